@@ -1,0 +1,87 @@
+"""`python -m convert` / `mlx-mla-convert`: the command line over `convert.pipeline`."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from . import recipes, writer
+from .errors import ConvertError
+from .pipeline import DTYPES, ConvertOptions, convert
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m convert",
+        description="Convert a DeepSeek-V2 (V2, V2-Lite, V2.5, Coder-V2) Hugging Face checkpoint "
+        "to an MLX folder in mlx-lm's format, streaming one shard at a time.",
+    )
+    p.add_argument("--hf-path", "--model", required=True,
+                   help="Local model folder or Hugging Face Hub id (e.g. deepseek-ai/DeepSeek-V2-Lite).")
+    p.add_argument("--mlx-path", default="mlx_model", help="Folder to write (default: mlx_model).")
+    p.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights (affine, mx.quantize).")
+    p.add_argument("--q-bits", type=int, default=4,
+                   help=f"Base bits per weight: {', '.join(map(str, recipes.SUPPORTED_BITS))} (default 4).")
+    p.add_argument("--q-group-size", type=int, default=64,
+                   help=f"Group size: {', '.join(map(str, recipes.SUPPORTED_GROUP_SIZES))} (default 64).")
+    p.add_argument("--quant-recipe", default=recipes.DEFAULT_RECIPE,
+                   help="Which tensors get which bits: 'mla' (default, recommended: --q-bits for the "
+                   "bulk, 8 bits for the classes measured most sensitive, see README) or 'uniform' "
+                   "(--q-bits everywhere, like mlx_lm.convert -q).")
+    p.add_argument("--dtype", default=None,
+                   help=f"Float type of unquantized tensors and scales: {', '.join(DTYPES)} "
+                   "(default: config.json's torch_dtype).")
+    p.add_argument("--upload-repo", default=None, help="Hugging Face repo to upload the result to.")
+    p.add_argument("-d", "--dequantize", action="store_true", help="Dequantize an MLX-quantized model.")
+    p.add_argument("--force", action="store_true", help="Replace an existing --mlx-path.")
+    p.add_argument("--shard-size", default="5GB",
+                   help="Largest output shard (default 5GB, as mlx-lm).")
+    return p
+
+
+def _on_sigterm(signum, frame):
+    # Turn SIGTERM into an exception so the staged output folder is cleaned up.
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        opts = ConvertOptions(
+            hf_path=args.hf_path,
+            mlx_path=args.mlx_path,
+            quantize=args.quantize,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            quant_recipe=args.quant_recipe,
+            dtype=args.dtype,
+            upload_repo=args.upload_repo,
+            dequantize=args.dequantize,
+            force=args.force,
+            max_shard_bytes=writer.parse_size(args.shard_size),
+        )
+        report = convert(opts)
+    except ConvertError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ValueError as e:  # e.g. --shard-size
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; nothing was written to --mlx-path", file=sys.stderr)
+        return 130
+    mb = 1 << 20
+    print(
+        f"[convert] wrote {report.path} ({len(report.shards)} shard(s)): "
+        f"{report.source_bytes / mb:.1f} MiB -> {report.output_bytes / mb:.1f} MiB, "
+        f"{report.bits_per_weight:.3f} bits per weight"
+    )
+    if report.url:
+        print(f"[convert] uploaded to {report.url}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The conversion itself: source shards in, one tensor at a time, mlx-lm folder out."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+from tqdm import tqdm
+
+from . import card, layout, recipes, source, writer
+from .errors import ConvertError
+from .upload import upload
+
+DTYPES = ("float16", "bfloat16", "float32")
+# Copied verbatim from the source: tokenizer files, generation config, remote code.
+COPY_PATTERNS = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "*.py",
+]
+
+
+@dataclass
+class ConvertOptions:
+    """What `python -m convert` was asked to do (field names follow the CLI flags)."""
+
+    hf_path: str
+    mlx_path: str = "mlx_model"
+    quantize: bool = False
+    q_bits: int = 4
+    q_group_size: int = 64
+    quant_recipe: str = recipes.DEFAULT_RECIPE
+    dtype: str | None = None
+    upload_repo: str | None = None
+    dequantize: bool = False
+    force: bool = False
+    max_shard_bytes: int = writer.MAX_SHARD_BYTES
+    progress: bool = True
+
+    def check(self) -> None:
+        """Raises ConvertError for contradictory or unsupported options."""
+        if self.quantize and self.dequantize:
+            raise ConvertError("choose either -q/--quantize or -d/--dequantize, not both")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConvertError(f"--dtype {self.dtype} is not supported; choose one of {', '.join(DTYPES)}")
+        try:
+            self.recipe()
+        except ValueError as e:
+            raise ConvertError(str(e)) from e
+
+    def recipe(self) -> recipes.Recipe:
+        return recipes.make_recipe(self.quant_recipe, self.q_bits, self.q_group_size)
+
+
+@dataclass
+class ConvertReport:
+    """What was written: folder, shard names, sizes in bytes and bits per weight."""
+
+    path: Path
+    shards: list
+    source_bytes: int
+    output_bytes: int
+    bits_per_weight: float
+    quantization: dict | None
+    url: str | None = None
+
+
+def _target_dtype(opts: ConvertOptions, config: dict):
+    """--dtype, else config's torch_dtype/dtype (as mlx-lm does), else keep each tensor's."""
+    name = opts.dtype or config.get("torch_dtype") or config.get("dtype")
+    return getattr(mx, name) if name in DTYPES else None
+
+
+class _Converter:
+    """Turns complete source units into output tensors and records the quantization config."""
+
+    def __init__(self, opts, src, lay, out):
+        self.opts, self.lay, self.out = opts, lay, out
+        self.recipe = opts.recipe() if opts.quantize else None
+        self.dtype = _target_dtype(opts, src.config)
+        self.src_quant = src.config.get("quantization") if src.is_quantized else None
+        base = self.recipe.base.as_config() if self.recipe else None
+        self.quantization = dict(base) if base else None
+
+    def _cast(self, a):
+        if self.dtype is not None and mx.issubdtype(a.dtype, mx.floating):
+            return a.astype(self.dtype)
+        return a
+
+    def tensor(self, name, array):
+        array = self._cast(array)
+        module = layout.quantizable_param(self.lay, name) if self.recipe else None
+        if module is None:
+            self.out.add(name, array)
+            return
+        spec = self.recipe.spec_for(module, array.shape[-1])
+        if spec is None:
+            self.quantization[module] = False
+            self.out.add(name, array)
+            return
+        if spec != self.recipe.base:
+            self.quantization[module] = spec.as_config()
+        w, s, b = mx.quantize(array, group_size=spec.group_size, bits=spec.bits)
+        self.out.add(f"{module}.weight", w, parameters=array.size)
+        self.out.add(f"{module}.scales", s, parameters=0)
+        self.out.add(f"{module}.biases", b, parameters=0)
+
+    def quantized(self, module, parts):
+        entry = self.src_quant.get(module, self.src_quant)
+        if not isinstance(entry, dict):  # `false`: a float module listed explicitly
+            entry = self.src_quant
+        w, s, b = parts["weight"], parts["scales"], parts["biases"]
+        if not self.opts.dequantize:  # pass through as stored
+            self.out.add(f"{module}.weight", w, parameters=w.size * 32 // entry["bits"])
+            self.out.add(f"{module}.scales", self._cast(s), parameters=0)
+            self.out.add(f"{module}.biases", self._cast(b), parameters=0)
+            return
+        float_w = mx.dequantize(
+            w, s, b, group_size=entry["group_size"], bits=entry["bits"], mode=entry.get("mode", "affine")
+        )
+        if float_w.shape[-1] != s.shape[-1] * entry["group_size"]:
+            raise ConvertError(f"{module}: stored shapes disagree with config.json's quantization")
+        self.out.add(f"{module}.weight", self._cast(float_w.astype(s.dtype)))
+
+
+def _quantized_modules(src) -> frozenset:
+    names = set(src.tensor_names)
+    return frozenset(
+        layout.target_name(n).rpartition(".")[0]
+        for n in names
+        if n.endswith(".scales")
+    )
+
+
+def _output_config(src, quantization) -> dict:
+    config = dict(src.config)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    if quantization is not None:
+        config["quantization"] = quantization
+    elif src.is_quantized:  # passed through unchanged
+        config["quantization"] = src.config["quantization"]
+    return config
+
+
+def _copy_side_files(src_dir: Path, dst: Path) -> None:
+    for pattern in COPY_PATTERNS:
+        for f in sorted(src_dir.glob(pattern)):
+            if f.is_file():
+                shutil.copyfile(f, dst / f.name)  # data only: source files may be read-only
+
+
+def describe(quantization: dict | None, recipe_name: str | None, bpw: float) -> str:
+    """One line for the model card and the summary, e.g. '4-bit, group 64 (mla recipe)'."""
+    if not quantization:
+        return f"unquantized, {bpw:.2f} bits per weight"
+    return (
+        f"{quantization['bits']}-bit affine, group {quantization['group_size']} "
+        f"({recipe_name} recipe), {bpw:.2f} bits per weight"
+    )
+
+
+def convert(opts: ConvertOptions) -> ConvertReport:
+    """Convert a DeepSeek-V2 checkpoint to an mlx-lm folder at `opts.mlx_path`.
+
+    Reads one source shard at a time, lazily, and writes output shards as they fill, so
+    peak memory is about one output shard plus the tensors in flight. Nothing is visible
+    at `mlx_path` until the whole folder is complete; source files are only read.
+
+    Raises:
+        ConvertError: bad options, a bad or unsupported source, an existing target without
+            `force`, or a failed upload (the local output then stays).
+    """
+    from mlx_lm.utils import save_config
+
+    opts.check()
+    target = Path(opts.mlx_path)
+    writer.check_target(target, opts.force)
+    src = source.open_source(opts.hf_path)
+    writer.check_target(target, opts.force, source=src.path)
+    if opts.quantize and src.is_quantized:
+        raise ConvertError(f"{opts.hf_path} is already quantized; convert its float original, or pass -d")
+    if opts.dequantize and not src.is_quantized:
+        raise ConvertError(f"-d: {opts.hf_path} is not quantized (its config.json has no 'quantization')")
+    lay = layout.Layout.for_config(src.config)
+    layout.check_names(lay, {n: i for s in src.shards for n, i in s.tensors.items()})
+
+    with writer.staged_output(target, opts.force) as tmp:
+        out = writer.ShardedWriter(tmp, opts.max_shard_bytes)
+        conv = _Converter(opts, src, lay, out)
+        assembler = layout.Assembler(lay.n_experts, _quantized_modules(src))
+        for shard in src.shards:
+            arrays = shard.load()
+            names = list(shard.tensors)
+            bar = tqdm(names, desc=shard.path.name, unit="tensor", disable=not opts.progress, file=sys.stderr)
+            for name in bar:
+                # pop: a loaded array must not outlive its conversion (that would hold the shard)
+                for kind, key, value in assembler.feed(name, arrays.pop(name)):
+                    if kind == "tensor":
+                        conv.tensor(key, value)
+                    else:
+                        conv.quantized(key, value)
+            del arrays
+            mx.clear_cache()
+        assembler.finish()
+        shards = out.finish()
+        quant = conv.quantization if conv.recipe else None
+        save_config(_output_config(src, quant), config_path=tmp / "config.json")
+        _copy_side_files(src.path, tmp)
+        summary = describe(quant or src.config.get("quantization"), opts.quant_recipe if quant else None,
+                           out.bits_per_weight)
+        card.write_model_card(tmp, target.name, src.path, src.hub_id, opts.upload_repo, summary)
+
+    report = ConvertReport(
+        path=target,
+        shards=shards,
+        source_bytes=sum(s.nbytes for s in src.shards),
+        output_bytes=out.total_bytes,
+        bits_per_weight=out.bits_per_weight,
+        quantization=quant,
+    )
+    if opts.upload_repo:
+        report.url = upload(target, opts.upload_repo)
+    return report
