@@ -72,6 +72,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; nothing was written to --mlx-path", file=sys.stderr)
         return 130
+    except Exception as e:  # disk full, permissions, a bug: still one line, still no partial output
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"error: conversion failed ({type(e).__name__}: {reason}); nothing was written to "
+              "--mlx-path", file=sys.stderr)
+        return 1
     mb = 1 << 20
     print(
         f"[convert] wrote {report.path} ({len(report.shards)} shard(s)): "

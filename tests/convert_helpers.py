@@ -1,0 +1,77 @@
+"""Shared helpers for the converter's tests (kept out of conftest.py, which the model owns)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+FIXTURE = SHARED / "fixtures" / "tiny-dsv2-lite-shakespeare"
+# "ROMEO:" plus a few ids: enough positions to exercise attention and the MoE routing.
+TOKENS = [0, 836, 27, 10, 79, 11, 300, 45, 1200, 7, 99, 512]
+
+
+def run_cli(*argv) -> int:
+    """Run `python -m convert` in-process with progress bars off; returns the exit code."""
+    from convert.__main__ import main
+
+    return main([*map(str, argv)])
+
+
+def tree_digest(folder: Path) -> dict:
+    """{relative path: sha256} of every file, to prove a folder was not modified."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file()
+    }
+
+
+def copy_fixture(dst: Path) -> Path:
+    """A writable copy of the fixture (the shared one is read-only)."""
+    shutil.copytree(FIXTURE, dst)
+    for p in dst.iterdir():
+        p.chmod(0o644)
+    return dst
+
+
+def load_tensors(folder: Path) -> dict:
+    out = {}
+    for f in sorted(Path(folder).glob("model*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+def index(folder: Path) -> dict:
+    return json.loads((Path(folder) / "model.safetensors.index.json").read_text())
+
+
+def config(folder: Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())
+
+
+def to_float32(model):
+    model.update(
+        tree_map(
+            lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+            model.parameters(),
+        )
+    )
+    return model
+
+
+def logits(model) -> mx.array:
+    out = model(mx.array([TOKENS], dtype=mx.int32)).astype(mx.float32)
+    mx.eval(out)
+    return out
+
+
+def leftovers(parent: Path, name: str) -> list:
+    """Staging folders the converter might have left beside `name`."""
+    return [p.name for p in Path(parent).iterdir() if p.name.startswith(f".{name}.")]
