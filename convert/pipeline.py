@@ -144,13 +144,13 @@ def _quantized_modules(src) -> frozenset:
     )
 
 
-def _output_config(src, quantization) -> dict:
+def _output_config(src, quantization, dequantized: bool) -> dict:
     config = dict(src.config)
     config.pop("quantization", None)
     config.pop("quantization_config", None)
     if quantization is not None:
         config["quantization"] = quantization
-    elif src.is_quantized:  # passed through unchanged
+    elif src.is_quantized and not dequantized:  # passed through unchanged
         config["quantization"] = src.config["quantization"]
     return config
 
@@ -217,9 +217,10 @@ def convert(opts: ConvertOptions) -> ConvertReport:
         assembler.finish()
         shards = out.finish()
         quant = conv.quantization if conv.recipe else None
-        save_config(_output_config(src, quant), config_path=tmp / "config.json")
+        save_config(_output_config(src, quant, opts.dequantize), config_path=tmp / "config.json")
         _copy_side_files(src.path, tmp)
-        summary = describe(quant or src.config.get("quantization"), opts.quant_recipe if quant else None,
+        kept = None if opts.dequantize else src.config.get("quantization")
+        summary = describe(quant or kept, opts.quant_recipe if quant else "source's",
                            out.bits_per_weight)
         card.write_model_card(tmp, target.name, src.path, src.hub_id, opts.upload_repo, summary)
 

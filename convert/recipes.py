@@ -57,9 +57,46 @@ def tensor_class(module: str) -> str:
     raise ValueError(f"no tensor class for module {module!r}")
 
 
-# The `mla` recipe: bits per class on top of the base (--q-bits). Chosen from the
-# per-class KL sensitivities measured by benchmarks/quant_recipe.py (table in README).
-MLA_OVERRIDES = {}
+# The `mla` recipe, as measured for a 4-bit, group-64 base: {class: (bits, group)}.
+# benchmarks/quant_recipe.py measured KL per class and option on the fixture and picked
+# the lowest summed KL within 4.6 bits per weight, never below the base bits, kv_b_proj at
+# >= 8 bits (mlx_mla splits it into the absorbed W_UK / W_UV; see the strategies
+# section). Classes not listed use the base. In short: the routed and shared experts,
+# which hold most weights and tolerate it, move to group 128, and the bits saved go to
+# the embeddings, the MLA down-projection kv_a_proj_with_mqa (the per-parameter most
+# sensitive class: its error reaches every head's keys and values through c_kv and
+# k_pe), q_proj and the dense first layer.
+MLA_TABLE = {
+    "embed": (5, 64),
+    "lm_head": (4, 128),
+    "attn_q": (5, 128),
+    "attn_kv_a": (6, 128),
+    "attn_kv_b": (8, 64),
+    "dense_gate_up": (5, 128),
+    "dense_down": (6, 64),
+    "shared_gate_up": (4, 128),
+    "shared_down": (4, 128),
+    "experts_gate_up": (4, 128),
+    "experts_down": (4, 128),
+}
+MLA_MEASURED_BASE = QuantSpec(4, 64)
+
+
+def _mla_overrides(base: QuantSpec) -> dict:
+    """MLA_TABLE moved to another base: the same extra bits over the base (to the next
+    bits mx.quantize supports, at most 8; kv_b_proj stays >= 8) and the same group-size
+    ratio to the base group (clamped to 32..128)."""
+    table = {}
+    for cls, (bits, group) in MLA_TABLE.items():
+        want = max(base.bits, min(8, base.bits + bits - MLA_MEASURED_BASE.bits))
+        if cls == "attn_kv_b":
+            want = max(want, 8)
+        bits_ = next(b for b in SUPPORTED_BITS if b >= want)
+        group_ = min(128, max(32, group * base.group_size // MLA_MEASURED_BASE.group_size))
+        spec = QuantSpec(bits_, group_)
+        if spec != base:
+            table[cls] = spec
+    return table
 
 
 @dataclass(frozen=True)
@@ -85,7 +122,7 @@ class Recipe:
 def make_recipe(name: str, bits: int, group_size: int, overrides: dict | None = None) -> Recipe:
     """Build a recipe by name for a base of `bits` and `group_size`.
 
-    `mla` raises the sensitive classes to 8 bits (never below the base), whatever the base.
+    `mla` applies MLA_TABLE (measured at 4-bit, group 64) relative to the base.
 
     Raises:
         ValueError: unknown recipe, bits or group size (message lists the valid ones).
@@ -105,11 +142,5 @@ def make_recipe(name: str, bits: int, group_size: int, overrides: dict | None = 
     if name == "uniform":
         return Recipe(name, base, {})
     if name == "mla":
-        table = {}
-        for cls, spec in MLA_OVERRIDES.items():
-            if spec is None:
-                table[cls] = None
-            elif spec.bits > bits:
-                table[cls] = spec
-        return Recipe(name, base, table)
+        return Recipe(name, base, _mla_overrides(base))
     raise ValueError(f"--quant-recipe {name} is not known; choose one of {', '.join(RECIPES)}")
