@@ -1,0 +1,19 @@
+"""mlx-mla: DeepSeek-V2 Multi-head Latent Attention on MLX, with a latent KV cache.
+
+``model, tokenizer = mlx_mla.load(path, mla_strategy="auto", dtype=None)``.
+"""
+
+from pathlib import Path
+
+from .attention import STRATEGIES
+from .cache import LatentCache
+from .config import ModelArgs
+from .loader import ModelLoadError, load
+from .model import Model
+
+__version__ = "0.1.0"
+
+DEMO_MODEL = Path(__file__).parent / "assets" / "tiny-dsv2-lite-shakespeare"
+
+__all__ = ["load", "Model", "ModelArgs", "LatentCache", "STRATEGIES", "ModelLoadError",
+           "DEMO_MODEL", "__version__"]

@@ -1,0 +1,67 @@
+"""The one signature every MLA strategy has, and the attention core the absorbed ones share."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Protocol
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from ..mla import MLAttention
+
+
+class Strategy(Protocol):
+    """Turns the latent cache into attention output for one layer.
+
+    ``__call__(attn, c_q, q_pe, c_kv, k_pe, mask) -> (B, L, hidden)`` with
+        c_q:  (B, L, q_in)  the query latent (x, or the normalised q_a_proj output)
+        q_pe: (B, H, L, qk_rope_head_dim), roped
+        c_kv: (B, S, kv_lora_rank); k_pe: (B, S, qk_rope_head_dim), roped; S = offset + L
+        mask: bool (L, S), True = attend; None for a single decode step.
+    ``prepare(attn)`` builds any derived weights (once, when the strategy is selected);
+    ``release(attn)`` frees them.
+    """
+
+    name: str
+
+    def prepare(self, attn: "MLAttention") -> None: ...
+
+    def release(self, attn: "MLAttention") -> None: ...
+
+    def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask) -> mx.array: ...
+
+
+def latent_attention(
+    q_latent: mx.array,
+    q_pe: mx.array,
+    c_kv: mx.array,
+    k_pe: mx.array,
+    mask: Optional[mx.array],
+    scale: float,
+) -> mx.array:
+    """Attention of absorbed queries straight over the latent cache.
+
+    scores[h, i, j] = scale · (q_latent[h, i] · c_kv[j] + q_pe[h, i] · k_pe[j]), a softmax
+    over j, then o_latent[h, i] = Σ_j p[h, i, j] c_kv[j]. The two score terms are separate
+    matmuls summed, so no concatenated [c_kv; k_pe] copy is made. All heads share one
+    c_kv / k_pe (it is multi-query attention in the latent space), so the H·L query rows
+    fold into a single GEMM per batch element instead of H broadcast ones.
+
+    Args:
+        q_latent: (B, H, L, kv_lora_rank); q_pe: (B, H, L, qk_rope_head_dim)
+        c_kv: (B, S, kv_lora_rank); k_pe: (B, S, qk_rope_head_dim)
+        mask: bool (L, S) or None
+    Returns:
+        o_latent: (B, H, L, kv_lora_rank), in q_latent's dtype.
+    """
+    B, H, L, r = q_latent.shape
+    S = c_kv.shape[1]
+    q_latent = (q_latent * scale).reshape(B, H * L, r)
+    q_pe = (q_pe * scale).reshape(B, H * L, q_pe.shape[-1])
+    scores = q_latent @ c_kv.swapaxes(1, 2) + q_pe @ k_pe.swapaxes(1, 2)  # (B, H·L, S)
+    if mask is not None:
+        scores = scores.reshape(B, H, L, S)
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        scores = scores.reshape(B, H * L, S)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    return (probs @ c_kv).reshape(B, H, L, r)  # (B, H, L, r)
