@@ -75,6 +75,9 @@ def dense_kv_b(weights, name: str, kv_lora_rank: int) -> mx.array:
     if scales is None:
         return w.astype(mx.float32)
     biases = weights.pop(f"{name}.biases", None)
+    # Dequantize in float32: with bfloat16 scales MLX would return bfloat16.
+    scales = scales.astype(mx.float32)
+    biases = biases.astype(mx.float32) if biases is not None else None
     group_size = kv_lora_rank // scales.shape[-1]
     bits = w.shape[-1] * 32 // kv_lora_rank
     return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)

@@ -19,8 +19,11 @@ from .base import latent_attention
 def _dense_weight(linear: nn.Module) -> mx.array:
     """The float weight (out, in) of a Linear or QuantizedLinear."""
     if isinstance(linear, nn.QuantizedLinear):
+        biases = linear.get("biases")
+        # float32 scales, or MLX dequantizes to their (possibly bfloat16) dtype
         return mx.dequantize(
-            linear.weight, linear.scales, linear.get("biases"),
+            linear.weight, linear.scales.astype(mx.float32),
+            None if biases is None else biases.astype(mx.float32),
             group_size=linear.group_size, bits=linear.bits, mode=linear.mode,
         )
     return linear.weight
