@@ -1,0 +1,111 @@
+"""``python -m mlx_mla.compare`` against stock mlx-lm on the shared fixture.
+
+Agreement is checked on the real checkpoint; disagreement by making only *our* side wrong
+(RoPE layout, softmax scale): perturbing the weights would not do, since both engines would
+read the same perturbed weights and still agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from mlx_mla import STRATEGIES, compare
+from mlx_mla import rope as rope_mod
+from mlx_mla.attention import mla as mla_mod
+
+
+def run(capsys, model, *extra):
+    rc = compare.main(["--model", str(model), "--max-tokens", "10", *map(str, extra)])
+    return rc, capsys.readouterr().out
+
+
+def test_fixture_agrees_with_mlx_lm_for_every_strategy(capsys, fixture_dir, tmp_path):
+    out_json = tmp_path / "cmp.json"
+    rc, out = run(capsys, fixture_dir, "--json", out_json)
+    assert rc == 0, out
+    assert "result: PASS" in out
+    assert "threshold (float32): max |Δlogit| ≤ 0.001, mean KL ≤ 1e-06" in out
+    # the bf16 checkpoint cannot run mlx-lm's MoE in bf16 on the CPU: the peer is cast, and says so
+    assert "adjusted for mlx-lm: dtype" in out
+    data = json.loads(out_json.read_text())
+    assert data["passed"] and data["dtype"] == "float32"
+    assert [r["engine"] for r in data["results"]] == [f"mlx_mla {s}" for s in STRATEGIES]
+    ref = data["reference"]
+    assert len(ref["tokens"]) == 10
+    for r in data["results"]:
+        assert r["tokens"] == ref["tokens"]
+        assert r["max_abs_logit"] < 1e-3 and r["mean_kl"] < 1e-6
+        assert r["prompt_tps"] > 0 and r["generation_tps"] > 0 and r["peak_memory_bytes"] > 0
+        # latent cache: 4 layers x (64 + 16) float32 vs 4 x 8 heads x (48 + 32) float32
+        assert r["cache_bytes_per_token"] == 4 * (64 + 16) * 4
+    assert ref["cache_bytes_per_token"] == 4 * 8 * (48 + 32) * 4
+
+
+def _non_interleaved_rope(self, x, offset=0):
+    if self.scale != 1.0:
+        x = x * self.scale
+    return mx.fast.rope(x, self.dim, traditional=False, base=None, scale=1.0, offset=offset,
+                        freqs=self._wavelengths)
+
+
+def test_wrong_rope_layout_on_our_side_fails_and_names_position(capsys, fixture_dir, monkeypatch):
+    monkeypatch.setattr(rope_mod.RoPE, "__call__", _non_interleaved_rope)
+    rc, out = run(capsys, fixture_dir, "--mla-strategy", "auto", "naive")
+    assert rc == 1, out
+    assert "result: FAIL (2 of 2" in out
+    # position 0 attends only to itself (and rotates by 0): the first wrong logits are at 1
+    assert re.search(r"first diverging position: 1 \(prompt token 1", out), out
+    assert "first differing generated token:" in out
+
+
+def test_wrong_softmax_scale_on_our_side_fails(capsys, fixture_dir, monkeypatch):
+    monkeypatch.setattr(mla_mod, "softmax_scale", lambda q_head_dim, rope: q_head_dim ** -0.5)
+    rc, out = run(capsys, fixture_dir, "--mla-strategy", "absorb")
+    assert rc == 1, out
+    assert "FAIL mlx_mla absorb" in out
+    assert re.search(r"first diverging position: \d+", out), out
+
+
+def test_rope_parameters_only_config_is_adjusted_on_the_peer(capsys, fixture_dir, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(fixture_dir, folder)
+    cfg_path = folder / "config.json"
+    cfg_path.chmod(0o644)
+    cfg = json.loads(cfg_path.read_text())
+    scaling = cfg.pop("rope_scaling")
+    scaling["rope_type"] = scaling.pop("type")
+    scaling["rope_theta"] = cfg.pop("rope_theta")
+    cfg["rope_parameters"] = scaling
+    cfg_path.write_text(json.dumps(cfg))
+    rc, out = run(capsys, folder, "--mla-strategy", "auto")
+    assert rc == 0, out
+    assert "adjusted for mlx-lm: config: rope_parameters -> rope_scaling=" in out
+
+
+def test_peer_adjustment_for_plain_rope():
+    overrides, notes = compare.peer_config_adjustments(
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}})
+    assert overrides == {"rope_theta": 5000.0, "rope_scaling": {"type": "yarn", "factor": 1.0}}
+    assert len(notes) == 1
+    assert compare.peer_config_adjustments({"rope_scaling": {"type": "yarn", "factor": 4}}) == ({}, [])
+
+
+def test_missing_folder_is_exit_2(capsys, tmp_path):
+    rc = compare.main(["--model", str(tmp_path / "nope")])
+    assert rc == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("strategy,quantized,expected", [
+    ("absorb", False, (1e-3, 1e-6)),
+    ("absorb", True, (1e-3, 1e-6)),
+    ("absorb-materialized", True, compare.QUANTIZED_MATERIALIZED),
+])
+def test_threshold_policy(strategy, quantized, expected):
+    t = compare.threshold_for("float32", quantized, strategy, (None, None))
+    assert (t.max_abs_logit, t.mean_kl) == expected
