@@ -87,6 +87,14 @@ class LatentCache(_BaseCache):
         return n
 
     @property
+    def used_nbytes(self) -> int:
+        """Bytes of the ``offset`` valid positions: offset × (kv_lora_rank + qk_rope_head_dim) × itemsize."""
+        if self.c_kv is None:
+            return 0
+        per_token = self.c_kv.shape[2] * self.c_kv.itemsize + self.k_pe.shape[2] * self.k_pe.itemsize
+        return self.offset * self.c_kv.shape[0] * per_token
+
+    @property
     def nbytes(self) -> int:
         """Bytes allocated for c_kv and k_pe (the preallocated blocks, used or not)."""
         if self.c_kv is None:

@@ -1,0 +1,129 @@
+"""``python -m mlx_mla.generate``: mlx-lm's generate command, on an MLA latent cache.
+
+Flags, prompt handling (chat template, then encoding without special tokens so BOS appears
+once), sampler and the generate loop are mlx-lm's own (``mlx_lm.generate``,
+``mlx_lm.sample_utils.make_sampler``); we add ``--mla-strategy`` and ``--dtype`` and report
+the latent cache's size. With no ``--model``, it runs the demo checkpoint shipped in the
+package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import mlx.core as mx
+
+from . import DEMO_MODEL
+from .attention import STRATEGIES
+from .loader import DTYPES, ModelLoadError, load
+
+DEFAULT_PROMPT = "ROMEO:"
+
+
+def str2bool(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlx_lm.generate import DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_P
+
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_mla.generate",
+        description="Generate text with a DeepSeek-V2-family model on MLX, using MLA's latent cache.",
+    )
+    p.add_argument("--model", default=None,
+                   help="local folder (Hugging Face or mlx-lm layout) or Hub repo id; "
+                        "default: the demo checkpoint shipped with mlx-mla")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
+                   help=f"prompt text, or - to read stdin (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="maximum number of tokens to generate")
+    p.add_argument("--temp", type=float, default=DEFAULT_TEMP, help="sampling temperature (0: greedy)")
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="sampling top-p")
+    p.add_argument("--min-p", type=float, default=DEFAULT_MIN_P, help="sampling min-p")
+    p.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="encode the prompt as is, even if the tokenizer has a chat template")
+    p.add_argument("--verbose", type=str2bool, default=True,
+                   help="stream the text and print the stats (True) or print only the text (False)")
+    p.add_argument("--mla-strategy", default="auto",
+                   help=f"MLA decode strategy: {', '.join(STRATEGIES)} (default: auto)")
+    p.add_argument("--dtype", default=None,
+                   help=f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, "
+                        "the checkpoint's on a GPU)")
+    return p
+
+
+def encode_prompt(tokenizer, prompt: str, system_prompt: Optional[str], ignore_template: bool) -> List[int]:
+    """Token ids for the prompt, as mlx-lm's generate makes them.
+
+    With a chat template the templated text already holds BOS, so it is encoded without
+    special tokens; a plain prompt gets the tokenizer's own (BOS prepended).
+    """
+    use_template = not ignore_template and tokenizer.has_chat_template
+    if use_template:
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(prompt, add_special_tokens=not use_template)
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    args = build_parser().parse_args(argv)
+    if args.mla_strategy not in STRATEGIES:
+        return fail(f"unknown --mla-strategy {args.mla_strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if args.max_tokens < 1:
+        return fail(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    try:
+        model, tokenizer = load(args.model or DEMO_MODEL, args.mla_strategy, args.dtype)
+    except (ModelLoadError, ValueError, FileNotFoundError) as e:
+        return fail(str(e))
+
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    tokens = encode_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
+    limit = model.args.max_position_embeddings
+    if len(tokens) + args.max_tokens > limit:
+        return fail(
+            f"prompt ({len(tokens)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
+            f"model's context of {limit} tokens: shorten the prompt or lower --max-tokens"
+        )
+
+    cache = model.make_cache()
+    sampler = make_sampler(args.temp, args.top_p, args.min_p)
+    text = mlx_lm_generate(
+        model, tokenizer, tokens, max_tokens=args.max_tokens, verbose=args.verbose,
+        sampler=sampler, prompt_cache=cache,
+    )
+    if not args.verbose:
+        print(text)
+        return 0
+    positions = cache[0].offset
+    used = sum(c.used_nbytes for c in cache)
+    print(
+        f"Latent cache: {used / 1e6:.3f} MB for {positions} tokens "
+        f"({used // max(positions, 1)} bytes/token, {len(cache)} layers), "
+        f"MLA strategy: {args.mla_strategy}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

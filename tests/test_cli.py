@@ -1,0 +1,129 @@
+"""The front door: `python -m mlx_mla.generate` on the demo checkpoint, and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import mlx_mla
+from mlx_mla.generate import main
+
+# The fixture README's known float32 greedy continuation of "ROMEO:".
+KNOWN = "\nO, I am in brief with a tale language.\n\nBENVOLIO:\nO, I am cried.\n\nMERCUTIO:"
+
+
+def test_main_command_prints_known_continuation_and_stats():
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_mla.generate", "--prompt", "ROMEO:", "--max-tokens", "40",
+         "--temp", "0"], capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert KNOWN in text
+    for stat in ("Prompt: 3 tokens", "Generation: 40 tokens", "Peak memory:", "Latent cache:"):
+        assert stat in text
+    # 4 layers × (64 + 16) values × 4 bytes (float32)
+    assert "1280 bytes/token" in text
+
+
+def test_chat_template_applied_with_one_bos(fixture_dir):
+    _, tokenizer = mlx_mla.load(fixture_dir)
+    from mlx_mla.generate import encode_prompt
+
+    templated = encode_prompt(tokenizer, "ROMEO:", None, ignore_template=False)
+    assert templated.count(tokenizer.bos_token_id) == 1 and templated[0] == tokenizer.bos_token_id
+    assert len(templated) > 3
+    assert encode_prompt(tokenizer, "ROMEO:", None, ignore_template=True) == [0, 836, 27]
+
+
+def run_main(capsys, *argv):
+    rc = main(list(map(str, argv)))
+    captured = capsys.readouterr()
+    return rc, captured.err.strip().splitlines()
+
+
+def writable_copy(fixture_dir, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(fixture_dir, dst)
+    for p in dst.iterdir():
+        p.chmod(0o644)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "does not exist"),
+        ("no_config", "has no config.json"),
+        ("no_weights", "has no model*.safetensors"),
+        ("llama", "model_type 'llama' is not supported"),
+        ("missing_shard", "missing weight shard"),
+        ("strategy", "unknown --mla-strategy 'fastest'"),
+        ("too_long", "exceeds the model's context of 2048 tokens"),
+        ("dtype", "unknown dtype 'float8'"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(capsys, fixture_dir, tmp_path, case, expected):
+    model = writable_copy(fixture_dir, tmp_path)
+    argv = ["--model", model, "--max-tokens", "2"]
+    if case == "missing":
+        argv[1] = tmp_path / "nowhere"
+    elif case == "no_config":
+        (model / "config.json").unlink()
+    elif case == "no_weights":
+        for f in model.glob("*.safetensors"):
+            f.unlink()
+    elif case == "llama":
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    elif case == "missing_shard":
+        (model / "model-00003-of-00004.safetensors").unlink()
+    elif case == "strategy":
+        argv += ["--mla-strategy", "fastest"]
+    elif case == "too_long":
+        argv[3] = 2046
+    elif case == "dtype":
+        argv += ["--dtype", "float8"]
+    rc, err = run_main(capsys, *argv)
+    assert rc != 0
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+def test_bad_input_from_the_shell_has_no_traceback(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "mlx_mla.generate", "--model", str(tmp_path / "nowhere")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip().count("\n") == 0
+
+
+def test_hub_repo_id_goes_through_snapshot_download(monkeypatch, fixture_dir):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, tuple(allow_patterns)))
+        return str(fixture_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model, _ = mlx_mla.load("deepseek-ai/DeepSeek-V2-Lite", revision="main")
+    assert calls and calls[0][:2] == ("deepseek-ai/DeepSeek-V2-Lite", "main")
+    assert "*.safetensors" in calls[0][2] and "*.json" in calls[0][2]
+    assert model.args.num_hidden_layers == 4
+
+
+def test_failed_download_is_one_clear_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(*a, **k):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(mlx_mla.ModelLoadError, match="could not download owner/model"):
+        mlx_mla.load("owner/model")
