@@ -112,6 +112,26 @@ def activation_dtype(dtype: Union[str, mx.Dtype, None], config: dict) -> mx.Dtyp
     return DTYPES.get(config.get("torch_dtype") or config.get("dtype"), mx.bfloat16)
 
 
+def _check_experts_run(model: Model, dtype: mx.Dtype) -> None:
+    """Run one routed-expert product in ``dtype`` so an unsupported backend/dtype pair fails
+    here, with advice, rather than mid-generation (this CPU build's gather_mm is float32-only).
+
+    Raises:
+        ModelLoadError: the backend cannot run the MoE experts in ``dtype``.
+    """
+    moe = next((l.mlp for l in model.layers if hasattr(l.mlp, "switch_mlp")), None)
+    if moe is None:
+        return
+    x = mx.zeros((1, 1, model.args.hidden_size), dtype)
+    try:
+        mx.eval(moe.switch_mlp(x, mx.zeros((1, 1, 1), mx.uint32)))
+    except RuntimeError as e:
+        raise ModelLoadError(
+            f"this MLX backend cannot run the MoE experts with {dtype} activations "
+            f"({str(e).strip()}): use dtype float32"
+        ) from e
+
+
 def load(
     path_or_repo: Union[str, Path],
     mla_strategy: str = "auto",
@@ -151,6 +171,7 @@ def load(
 
     model.update(tree_map(cast, model.parameters()))
     mx.eval(model.parameters())
+    _check_experts_run(model, target)
     model.set_mla_strategy(mla_strategy)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer

@@ -127,3 +127,12 @@ def test_failed_download_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(mlx_mla.ModelLoadError, match="could not download owner/model"):
         mlx_mla.load("owner/model")
+
+
+@pytest.mark.skipif(
+    __import__("mlx.core").core.default_device() != __import__("mlx.core").core.cpu,
+    reason="the CPU build's gather_mm is float32-only; GPU backends run bfloat16",
+)
+def test_unsupported_expert_dtype_fails_at_load_with_advice(capsys, fixture_dir):
+    rc, err = run_main(capsys, "--model", fixture_dir, "--dtype", "bfloat16", "--max-tokens", "2")
+    assert rc != 0 and len(err) == 1 and "use dtype float32" in err[0]
