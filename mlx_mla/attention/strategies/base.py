@@ -31,6 +31,13 @@ class Strategy(Protocol):
     def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask) -> mx.array: ...
 
 
+# Below this many query rows (H·L) the latent attention uses the decode layout (see
+# ``latent_attention``); prefill chunks (thousands of rows) use the plain one.
+DECODE_ROWS = 256
+# Positions per block of the blocked P·c_kv product in the decode layout.
+BLOCK = 128
+
+
 def latent_attention(
     q_latent: mx.array,
     q_pe: mx.array,
@@ -45,7 +52,17 @@ def latent_attention(
     over j, then o_latent[h, i] = Σ_j p[h, i, j] c_kv[j]. The two score terms are separate
     matmuls summed, so no concatenated [c_kv; k_pe] copy is made. All heads share one
     c_kv / k_pe (it is multi-query attention in the latent space), so the H·L query rows
-    fold into a single GEMM per batch element instead of H broadcast ones.
+    fold into a single GEMM per batch element instead of H broadcast ones; the scale is
+    folded into the (small) queries, not applied to the (H·L, S) scores.
+
+    Layout (measured on MLX's CPU backend, whose GEMM streams the right-hand operand once
+    per output row): with few query rows (decode, H·L ≤ ``DECODE_ROWS``) the scores are
+    computed as c_kv · q_latentᵀ (each cache row read once while all queries sit in L1,
+    the queries transposed into a contiguous copy so the GEMM runs its vectorised form),
+    and P·c_kv is blocked over ``BLOCK`` positions (a batched GEMM whose block of c_kv stays
+    in cache across the H·L rows, then a sum over blocks). 16K-position decode step:
+    ~35% faster than q_latent · c_kvᵀ and P · c_kv done whole. Prefill chunks keep the
+    direct layout.
 
     Args:
         q_latent: (B, H, L, kv_lora_rank); q_pe: (B, H, L, qk_rope_head_dim)
@@ -56,12 +73,27 @@ def latent_attention(
     """
     B, H, L, r = q_latent.shape
     S = c_kv.shape[1]
-    q_latent = (q_latent * scale).reshape(B, H * L, r)
-    q_pe = (q_pe * scale).reshape(B, H * L, q_pe.shape[-1])
-    scores = q_latent @ c_kv.swapaxes(1, 2) + q_pe @ k_pe.swapaxes(1, 2)  # (B, H·L, S)
+    HL = H * L
+    q_latent = (q_latent * scale).reshape(B, HL, r)
+    q_pe = (q_pe * scale).reshape(B, HL, q_pe.shape[-1])
+    decode = HL <= DECODE_ROWS
+    if decode:
+        q_lt = mx.contiguous(q_latent.swapaxes(1, 2))  # (B, r, H·L)
+        q_pt = mx.contiguous(q_pe.swapaxes(1, 2))  # (B, dr, H·L)
+        scores = (c_kv @ q_lt + k_pe @ q_pt).swapaxes(1, 2)  # (B, H·L, S)
+    else:
+        scores = q_latent @ c_kv.swapaxes(1, 2) + q_pe @ k_pe.swapaxes(1, 2)  # (B, H·L, S)
     if mask is not None:
         scores = scores.reshape(B, H, L, S)
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-        scores = scores.reshape(B, H * L, S)
+        scores = scores.reshape(B, HL, S)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    return (probs @ c_kv).reshape(B, H, L, r)  # (B, H, L, r)
+    nb = S // BLOCK
+    if not decode or nb < 2:
+        return (probs @ c_kv).reshape(B, H, L, r)
+    S0 = nb * BLOCK
+    blocks = probs[..., :S0].reshape(B, HL, nb, BLOCK).swapaxes(1, 2)  # (B, nb, H·L, BLOCK)
+    out = (blocks @ c_kv[:, :S0].reshape(B, nb, BLOCK, r)).sum(axis=1)  # (B, H·L, r)
+    if S0 < S:
+        out = out + probs[..., S0:] @ c_kv[:, S0:]
+    return out.reshape(B, H, L, r)
