@@ -1,17 +1,29 @@
 """``absorb``: absorbed attention without materializing W_UQ·W_UKᵀ (factored).
 
 q_latent = (W_UQ c_q) · W_UK per head (DeepSeek-V2 paper, section 2.1.2, "absorb W_UK
-into W_UQ", applied as two small products instead of one big matrix); attention runs over
-c_kv itself; the latent output goes through W_UV per head, then o_proj.
+into W_UQ", applied as two small products instead of one big matrix); scores =
+q_latent·c_kvᵀ + q_pe·k_peᵀ (two matmuls summed, no concatenation); attention runs over
+c_kv itself (``base.latent_attention``); the latent output goes through W_UV per head,
+then o_proj. Nothing is decompressed and nothing is precomputed.
 
-Per decode step and layer (same symbols as ``naive``):
-    FLOPs ≈ 2·d·H(dn+dr) [q] + 2·H·dn·r [q_nope·W_UK] + 2·H·S(r+dr) [scores]
-           + 2·H·S·r [P·c_kv] + 2·H·r·dv [·W_UV] + 2·H·dv·d [o_proj]
-    DeepSeek-V2-Lite ≈ 14.7M + 2.1M·S FLOPs  (C-engine notes, in multiply-adds and
-           without o_proj: 7.3M + 1.06M·S — the same up to the factor 2 and o_proj's 4.2M).
-    bytes read ≈ weights + S·(r + dr)·itemsize: the cache is read once, shared by all heads.
-Its slope in S is half of naive's (2·H·S·(2r+dr) vs 2·S·r·H(dn+dv) + …), but it is all
-matmul over the latent, so it is bound by matmul throughput, not by reading the cache.
+Per layer, L new tokens attending to S positions (symbols as in ``naive``; exact counts
+in ``mlx_mla.attention.costs``):
+    FLOPs = 2·L·d·(r + dr) + 2·L·q_in·H·(dn + dr)   [W_DKV, W_KR; W_UQ, W_QR]
+          + 2·L·H·dn·r + 2·L·H·r·dv                  [·W_UK, ·W_UV per head]
+          + 2·L·S·H·(2r + dr)                        [scores over c_kv and k_pe, P·c_kv]
+          + 2·L·H·dv·d                               [o_proj]
+    bytes read = weights + S·(r + dr)·itemsize [latent cache, read once for all heads]
+          + 4·H·L·S·itemsize [scores / probabilities]
+    DeepSeek-V2-Lite decode step: 27.5M + 34.8K·S FLOPs; 15.7 MB + 2.56 KB·S read.
+The C-engine notes give 7.3M + 1.06M·S (multiply-adds) for this variant, and their author
+doubts it, rightly: their slope still decompresses V for every position
+(512·2048 = 1.05M of the 1.06M multiply-adds per position) instead of applying W_UV once
+to the H latent outputs; without it the slope is 17.4K multiply-adds = 34.8K FLOPs, 1/120
+of naive's. Their intercept also drops the 2048·512 term they list (and o_proj).
+On MLX's CPU backend (reference BLAS) this strategy is bound by matmul throughput: per
+position it does 3.4x the FLOPs of attention over a decompressed cache (2·H·(2r + dr) vs
+2·H·(dn + dr + dv)), while reading 8.9x fewer cache bytes; on bandwidth-bound hardware the
+latter is what counts.
 """
 
 from __future__ import annotations

@@ -6,6 +6,25 @@ W_OUV[:, h] = W_O[:, h] W_UV[h]: one Linear H·kv_lora_rank → hidden replacing
 o_proj (DeepSeek-V2 paper, section 2.1.2). Both are built from the unquantized W_UK / W_UV
 and the dequantized q / o projections, then quantized like those projections were, so a
 4-bit model stays a 4-bit model.
+
+Per layer, L new tokens attending to S positions (symbols as in ``naive``; exact counts
+in ``mlx_mla.attention.costs``):
+    FLOPs = 2·L·d·(r + dr) + 2·L·q_in·H·dr           [W_DKV, W_KR, W_QR]
+          + 2·L·q_in·H·r                              [W_UQK]
+          + 2·L·S·H·(2r + dr)                         [scores over c_kv and k_pe, P·c_kv]
+          + 2·L·H·r·d                                 [W_OUV]
+    bytes read = weights (W_UQK and W_OUV instead of W_UQ, W_UK, W_UV, o_proj)
+          + S·(r + dr)·itemsize + 4·H·L·S·itemsize
+    DeepSeek-V2-Lite decode step: 73.7M + 34.8K·S FLOPs; 23.0 MB + 2.56 KB·S read.
+Extra parameters: W_UQK and W_OUV are (H·r)·q_in and d·(H·r), 4x the W_UQ and o_proj
+they stand in for (r = 512 vs dn = dv = 128): 2 × 16.8M weights = 20.97 MB per layer at
+4-bit with float32 scales (``extra_nbytes``, ``costs.materialized_extra_bytes``); 566 MB
+over V2-Lite's 27 layers, on top of the originals, which stay for the other strategies.
+So materializing only pays where H·r is small next to q_in; for V2-Lite it is never the
+cheapest: same per-position cost as ``absorb``, 2.7x its fixed cost. The C-engine notes'
+18.9M + 1.06M·S (multiply-adds) counts W_UQK (16.8M) plus a q_rope product of 2048·1024,
+leaves W_OUV out and decompresses V per position (1.05M of the 1.06M slope): the real
+slope is the factored one's, 17.4K multiply-adds.
 """
 
 from __future__ import annotations

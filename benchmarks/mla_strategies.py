@@ -1,0 +1,289 @@
+"""One MLA layer's decode step (and a prefill chunk): our strategies vs mlx-lm's peers.
+
+At DeepSeek-V2-Lite's attention shape (hidden 2048, 16 heads, kv_lora_rank 512,
+qk_rope 64, qk_nope 128, v 128, q_lora_rank null), random weights, Linears quantized to
+4 bits (group 64; our W_UK/W_UV stay float, by design), float32 activations. Caches are
+filled directly (random latents), no prefill. Timed per point: warm-up, then the median of
+``repeats`` calls, each ``mx.eval``'d; all rows of a point come from the same run, so their
+ratios are what to read on a noisy machine.
+
+Rows: ``naive``, ``absorb-materialized``, ``absorb``, ``auto`` (mlx_mla.attention
+strategies over a ``LatentCache``); ``mlx-lm deepseek_v2`` (``DeepseekV2Attention`` over a
+full K/V ``KVCache``) and ``mlx-lm deepseek_v3`` (``DeepseekV3Attention``: absorbed, latent
+``KVCache``). Beside each time: the analytic FLOPs and bytes read
+(``mlx_mla.attention.costs``) and the cache bytes.
+
+    python benchmarks/mla_strategies.py            # ~5 minutes on a 2-core CPU
+Writes benchmarks/results/mla_strategies.csv and mla_strategies.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mlx_mla.attention import MLAttention, make_strategy  # noqa: E402
+from mlx_mla.attention import costs  # noqa: E402
+from mlx_mla.attention.strategies.auto import backend_name  # noqa: E402
+from mlx_mla.attention.strategies.materialized import Materialized  # noqa: E402
+from mlx_mla.cache import LatentCache  # noqa: E402
+from mlx_mla.config import ModelArgs  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+
+# DeepSeek-V2-Lite's attention dimensions (config.json of deepseek-ai/DeepSeek-V2-Lite).
+V2_LITE = {"model_type": "deepseek_v2", "hidden_size": 2048, "num_attention_heads": 16,
+           "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+           "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
+           "rope_theta": 10000, "rope_scaling": YARN, "attention_bias": False}
+
+STRATEGY_ROWS = ["naive", "absorb-materialized", "absorb", "auto"]
+PEER_ROWS = ["mlx-lm deepseek_v2", "mlx-lm deepseek_v3"]
+CONTEXTS = [512, 2048, 8192, 16384]
+PREFILL = 2048
+BITS, GROUP = 4, 64
+DTYPE = mx.float32
+
+
+def _quantize(module: nn.Module) -> None:
+    """4-bit group-64 affine on the nn.Linear layers only (as a converted model has them)."""
+    nn.quantize(module, group_size=GROUP, bits=BITS,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear))
+
+
+def _randomize(module: nn.Module, seed: int) -> None:
+    """Random normal weights with std 1/sqrt(fan_in) for every ≥2-D parameter; norms at 1."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    key = mx.random.key(seed)
+    new = []
+    for i, (name, p) in enumerate(tree_flatten(module.parameters())):
+        if p.ndim >= 2:
+            k = mx.random.split(mx.random.fold_in(key, i) if hasattr(mx.random, "fold_in")
+                                else mx.random.key(seed + i))[0]
+            new.append((name, (mx.random.normal(p.shape, key=k) / np.sqrt(p.shape[-1])).astype(DTYPE)))
+        else:
+            new.append((name, mx.ones(p.shape, DTYPE)))
+    module.update(tree_unflatten(new))
+
+
+def ours(config: Dict, strategy: str, seed: int = 0) -> MLAttention:
+    """Our MLA layer at ``config``'s dims, random 4-bit weights, ``strategy`` prepared."""
+    args = ModelArgs.from_dict(config)
+    attn = MLAttention(args)
+    _randomize(attn, seed)
+    _quantize(attn)
+    attn.strategy = make_strategy(strategy)
+    attn.strategy.prepare(attn)
+    mx.eval(attn.parameters())
+    return attn
+
+
+def peer(config: Dict, which: str, seed: int = 0) -> nn.Module:
+    """mlx-lm's ``DeepseekV2Attention`` ('v2') or ``DeepseekV3Attention`` ('v3')."""
+    if which == "v2":
+        from mlx_lm.models import deepseek_v2 as mod
+        args = mod.ModelArgs.from_dict({**config, "model_type": "deepseek_v2"})
+        attn = mod.DeepseekV2Attention(args)
+    else:
+        from mlx_lm.models import deepseek_v3 as mod
+        args = mod.ModelArgs.from_dict({**config, "model_type": "deepseek_v3"})
+        attn = mod.DeepseekV3Attention(args)
+    _randomize(attn, seed)
+    _quantize(attn)
+    mx.eval(attn.parameters())
+    return attn
+
+
+def _rand(shape, seed):
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(DTYPE)
+
+
+def filled_cache(kind: str, config: Dict, S: int, spare: int, seed: int = 1):
+    """A cache holding S random positions, with room for ``spare`` more (no regrowth).
+
+    kind: 'latent' (ours: LatentCache), 'v2' (mlx-lm full K/V: (B, H, S, dn+dr) keys and
+    (B, H, S, dv) values) or 'v3' (mlx-lm latent: (B, 1, S, r) and (B, 1, S, dr)).
+    """
+    from mlx_lm.models.cache import KVCache
+
+    r, dr = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    H, dn, dv = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    n = S + spare
+    if kind == "latent":
+        cache = LatentCache()
+        cache.c_kv, cache.k_pe = _rand((1, n, r), seed), _rand((1, n, dr), seed + 1)
+    else:
+        cache = KVCache()
+        if kind == "v2":
+            cache.keys, cache.values = _rand((1, H, n, dn + dr), seed), _rand((1, H, n, dv), seed + 1)
+        else:
+            cache.keys, cache.values = _rand((1, 1, n, r), seed), _rand((1, 1, n, dr), seed + 1)
+    mx.eval(*(cache.state if kind == "latent" else (cache.keys, cache.values)))
+    cache.offset = S
+    return cache
+
+
+def cache_bytes(kind: str, config: Dict, S: int) -> int:
+    """Bytes of S cached positions (float32), whatever the preallocation."""
+    r, dr = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    H, dn, dv = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
+    per = (r + dr) if kind in ("latent", "v3") else H * (dn + dr + dv)
+    return per * S * DTYPE.size
+
+
+def time_call(fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` (which evaluates its own output)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def _step_fn(layer, cache, x, mask, S):
+    def fn():
+        cache.offset = S  # every call appends at position S (the cache has room)
+        mx.eval(layer(x, mask, cache))
+    return fn
+
+
+def causal_bool(L: int, offset: int) -> Optional[mx.array]:
+    if L == 1:
+        return None
+    return mx.arange(offset + L)[None, :] <= mx.arange(offset, offset + L)[:, None]
+
+
+def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
+            repeats: int = 5, rows=STRATEGY_ROWS + PEER_ROWS, log=print) -> List[Dict]:
+    """Rows {'phase', 'S', 'L', 'impl', 'ms', 'flops', 'bytes_read', 'cache_bytes'}.
+
+    phase 'decode': L = 1 with S cached positions; phase 'prefill': an L = ``prefill``
+    chunk on an empty cache (S = L attended positions, causal). Repeats shrink for slow
+    points (≥ 0.5 s per call) so the whole run stays within a few minutes.
+    """
+    args = ModelArgs.from_dict(config)
+    layers = {}
+    for name in rows:
+        if name in STRATEGY_ROWS:
+            layers[name] = ("latent", ours(config, name))
+        else:
+            layers[name] = ("v2" if name.endswith("v2") else "v3",
+                            peer(config, "v2" if name.endswith("v2") else "v3"))
+    points = [("decode", S, 1) for S in contexts]
+    if prefill:
+        points.append(("prefill", prefill, prefill))
+    out = []
+    for phase, S, L in points:
+        offset = S - L if phase == "prefill" else S
+        x = _rand((1, L, config["hidden_size"]), 7)
+        mask = causal_bool(L, offset)
+        for name in rows:
+            kind, layer = layers[name]
+            cache = filled_cache(kind, config, offset, spare=L + 1)
+            fn = _step_fn(layer, cache, x, mask, offset)
+            t0 = time.perf_counter()
+            fn()
+            first = time.perf_counter() - t0
+            if first > 5.0:  # seconds-long calls: warm-up effects are noise; one call
+                ms = 1e3 * first
+            else:
+                ms = 1e3 * time_call(fn, repeats if first < 0.5 else max(2, repeats // 2),
+                                     warmup=1)
+            cost_name = _cost_name(name, args, L, S)
+            c = costs.step_costs(args, cost_name, S=S, L=L, itemsize=DTYPE.size, bits=BITS,
+                                 group_size=GROUP)
+            row = {"phase": phase, "S": S, "L": L, "impl": name, "ms": round(ms, 3),
+                   "cost_model": cost_name, "flops": c.flops, "bytes_read": c.bytes_read,
+                   "cache_bytes": cache_bytes(kind, config, S)}
+            if name == "absorb-materialized":
+                row["extra_param_bytes"] = Materialized.extra_nbytes(layer)
+            out.append(row)
+            log(f"{phase:7s} S={S:6d} L={L:5d} {name:20s} {ms:9.2f} ms  "
+                f"{c.flops / 1e6:9.1f} MFLOP {c.bytes_read / 1e6:8.1f} MB read  "
+                f"cache {row['cache_bytes'] / 1e6:7.1f} MB")
+            del cache
+    return out
+
+
+def _cost_name(name: str, args: ModelArgs, L: int, S: int) -> str:
+    """The analytic model of a row: peers map onto the strategy they compute."""
+    if name == "auto":
+        from mlx_mla.attention.strategies.auto import Auto
+        return Auto().choose(L, S)
+    if name == "mlx-lm deepseek_v2":
+        return "kv-cache"
+    if name == "mlx-lm deepseek_v3":
+        return "absorb" if L == 1 else "naive"
+    return name
+
+
+def write_csv(rows: List[Dict], path: Path) -> None:
+    fields = ["phase", "S", "L", "impl", "ms", "cost_model", "flops", "bytes_read",
+              "cache_bytes", "extra_param_bytes"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in fields})
+
+
+def plot(rows: List[Dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    for impl in impls:
+        pts = sorted((r["S"], r["ms"]) for r in rows if r["impl"] == impl and r["phase"] == "decode")
+        style = "--" if impl.startswith("mlx-lm") else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=impl)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length S (cached positions)")
+    ax.set_ylabel("ms per layer decode step")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    p.add_argument("--prefill", type=int, default=PREFILL)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    a = p.parse_args(argv)
+    t = time.perf_counter()
+    rows = measure(V2_LITE, a.contexts, a.prefill, a.repeats)
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, a.out / "mla_strategies.csv")
+    plot(rows, a.out / "mla_strategies.png",
+         f"One MLA layer, DeepSeek-V2-Lite shape, 4-bit weights, float32, MLX {backend_name()}")
+    print(f"wrote {a.out / 'mla_strategies.csv'} and .png in {time.perf_counter() - t:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
