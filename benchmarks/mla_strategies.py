@@ -146,18 +146,6 @@ def cache_bytes(kind: str, config: Dict, S: int) -> int:
     return per * S * DTYPE.size
 
 
-def time_call(fn, repeats: int, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` (which evaluates its own output)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
 def _step_fn(layer, cache, x, mask, S):
     def fn():
         cache.offset = S  # every call appends at position S (the cache has room)
@@ -176,8 +164,10 @@ def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
     """Rows {'phase', 'S', 'L', 'impl', 'ms', 'flops', 'bytes_read', 'cache_bytes'}.
 
     phase 'decode': L = 1 with S cached positions; phase 'prefill': an L = ``prefill``
-    chunk on an empty cache (S = L attended positions, causal). Repeats shrink for slow
-    points (≥ 0.5 s per call) so the whole run stays within a few minutes.
+    chunk on an empty cache (S = L attended positions, causal). Per point, every row's
+    first call is made; a row whose first call took > 5 s is timed by it alone (warm-up
+    effects are noise at that length); the others are warmed up and then timed
+    ``repeats`` times round-robin (fewer when slow rows share the point), median.
     """
     args = ModelArgs.from_dict(config)
     layers = {}
@@ -195,18 +185,27 @@ def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
         offset = S - L if phase == "prefill" else S
         x = _rand((1, L, config["hidden_size"]), 7)
         mask = causal_bool(L, offset)
+        fns, times = {}, {}
+        for name in rows:  # first call of each; seconds-long ones are timed by it alone
+            kind, layer = layers[name]
+            fns[name] = _step_fn(layer, filled_cache(kind, config, offset, spare=L + 1),
+                                 x, mask, offset)
+            t0 = time.perf_counter()
+            fns[name]()
+            first = time.perf_counter() - t0
+            times[name] = [first] if first > 5.0 else []
+        fast = [n for n in rows if not times[n]]
+        for n in fast:  # warm-up
+            fns[n]()
+        reps = repeats if all(len(times[n]) == 0 for n in rows) else max(3, repeats // 2)
+        for _ in range(reps):  # round-robin, so load changes hit every row alike
+            for n in fast:
+                t0 = time.perf_counter()
+                fns[n]()
+                times[n].append(time.perf_counter() - t0)
         for name in rows:
             kind, layer = layers[name]
-            cache = filled_cache(kind, config, offset, spare=L + 1)
-            fn = _step_fn(layer, cache, x, mask, offset)
-            t0 = time.perf_counter()
-            fn()
-            first = time.perf_counter() - t0
-            if first > 5.0:  # seconds-long calls: warm-up effects are noise; one call
-                ms = 1e3 * first
-            else:
-                ms = 1e3 * time_call(fn, repeats if first < 0.5 else max(2, repeats // 2),
-                                     warmup=1)
+            ms = 1e3 * float(np.median(times[name]))
             cost_name = _cost_name(name, args, L, S)
             c = costs.step_costs(args, cost_name, S=S, L=L, itemsize=DTYPE.size, bits=BITS,
                                  group_size=GROUP)
@@ -219,8 +218,47 @@ def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
             log(f"{phase:7s} S={S:6d} L={L:5d} {name:20s} {ms:9.2f} ms  "
                 f"{c.flops / 1e6:9.1f} MFLOP {c.bytes_read / 1e6:8.1f} MB read  "
                 f"cache {row['cache_bytes'] / 1e6:7.1f} MB")
-            del cache
+        del fns
     return out
+
+
+def crossover_table(rows: List[Dict], candidates=("naive", "absorb-materialized", "absorb")) -> Dict:
+    """The ``auto`` table these rows measure: per phase, the fastest candidate at each
+    measured S, as rules [(minimum S, name)] (the first rule from 0; a new rule starts at
+    the first measured S where another candidate becomes the fastest)."""
+    table = {}
+    for phase in ("prefill", "decode"):
+        best = {}
+        for r in rows:
+            if r["phase"] == phase and r["impl"] in candidates:
+                if r["S"] not in best or r["ms"] < best[r["S"]][0]:
+                    best[r["S"]] = (r["ms"], r["impl"])
+        rules = []
+        for S in sorted(best):
+            name = best[S][1]
+            if not rules or rules[-1][1] != name:
+                rules.append((0 if not rules else S, name))
+        if rules:
+            table[phase] = rules
+    return table
+
+
+def markdown_table(rows: List[Dict]) -> str:
+    """The README table: ms per layer per impl and point, analytic MFLOP / MB read beside."""
+    points = list(dict.fromkeys((r["phase"], r["S"], r["L"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    at = {(r["phase"], r["S"], r["impl"]): r for r in rows}
+    head = ["impl"] + [f"decode S={S}" if ph == "decode" else f"prefill L={L}"
+                       for ph, S, L in points]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for impl in impls:
+        cells = [f"`{impl}`" if not impl.startswith("mlx-lm") else impl]
+        for ph, S, _ in points:
+            r = at[ph, S, impl]
+            cells.append(f"{r['ms']:.1f} ms ({r['flops'] / 1e6:,.0f} MF, "
+                         f"{r['bytes_read'] / 1e6:,.0f} MB)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _cost_name(name: str, args: ModelArgs, L: int, S: int) -> str:
@@ -273,7 +311,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     p.add_argument("--prefill", type=int, default=PREFILL)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args(argv)
     t = time.perf_counter()
@@ -282,6 +320,8 @@ def main(argv=None) -> None:
     write_csv(rows, a.out / "mla_strategies.csv")
     plot(rows, a.out / "mla_strategies.png",
          f"One MLA layer, DeepSeek-V2-Lite shape, 4-bit weights, float32, MLX {backend_name()}")
+    print(markdown_table(rows))
+    print(f"measured crossover table ({backend_name()}): {crossover_table(rows)}")
     print(f"wrote {a.out / 'mla_strategies.csv'} and .png in {time.perf_counter() - t:.0f} s")
 
 

@@ -69,3 +69,13 @@ def test_latent_attention_layouts_agree(S, L, monkeypatch):
     monkeypatch.setattr(base, "DECODE_ROWS", 0)
     direct = base.latent_attention(q, qp, c, kp, mask, 0.1)
     assert mx.allclose(fast, direct, atol=1e-5).item()
+
+
+def test_crossover_table_from_rows():
+    rows = [{"phase": "decode", "S": S, "impl": i, "ms": ms} for S, i, ms in [
+        (512, "naive", 5), (512, "absorb", 6), (2048, "naive", 20), (2048, "absorb", 9),
+        (8192, "absorb", 30), (8192, "absorb-materialized", 31), (8192, "auto", 1)]]
+    rows += [{"phase": "prefill", "S": 2048, "impl": "naive", "ms": 1},
+             {"phase": "prefill", "S": 2048, "impl": "absorb", "ms": 2}]
+    assert bench.crossover_table(rows) == {"prefill": [(0, "naive")],
+                                           "decode": [(0, "naive"), (2048, "absorb")]}

@@ -1,10 +1,26 @@
 """``auto``: per forward call, pick a strategy by phase and context length.
 
 The choice is a pure function of (L, S) — L new tokens, S attended positions — and of the
-MLX backend, so every layer of one forward call makes the same choice. The crossover table
-comes from ``benchmarks/mla_strategies.py`` (results in ``benchmarks/results/``); a backend
-with no measured table uses ``DEFAULT_TABLE``: naive for prefill chunks (decompressing once
-per chunk is cheapest per query row), absorb for decode (it reads only the latent cache).
+MLX backend, so every layer of one forward call makes the same choice. Phase: a call with
+L = 1 is a decode step, any other a prefill chunk. Each phase has rules
+[(minimum S, strategy)]; the last rule whose minimum is ≤ S wins.
+
+``CROSSOVER_TABLES["cpu"]`` is what ``benchmarks/mla_strategies.py`` measured (its
+``crossover_table``; results in ``benchmarks/results/mla_strategies.csv``) at
+DeepSeek-V2-Lite's shape on a 2-core x86 CPU, MLX CPU build, float32: ``absorb`` is the
+fastest decode step at every measured context (512 to 16K: it does 1/120 of naive's
+per-position work and 1/2.7 of ``absorb-materialized``'s fixed work), ``naive`` the fastest
+2K-token prefill chunk (it decompresses K/V once for 2K queries, then attends with
+2·H·(dn + dr + dv) = 10.2K FLOPs per query-position pair against the absorbed 34.8K).
+Analytically (``mlx_mla.attention.costs``) naive stays the cheaper prefill while
+L ≳ 170 new tokens per chunk at V2-Lite's shape; shorter chunks over a long cache (e.g.
+speculative verification) would favour absorb, which this two-phase table does not model.
+
+Metal and CUDA cannot be measured on the machine this project is benchmarked on; they,
+and any backend without a table, use ``DEFAULT_TABLE``, an analytic default: naive for
+prefill chunks, absorb for decode (a decode step there is bound by memory bandwidth, and
+absorb reads the 576-value latent per position where naive writes and reads back
+H·(dn + dr + dv) = 5,120 decompressed values).
 """
 
 from __future__ import annotations
@@ -22,7 +38,8 @@ Table = Dict[str, List[Tuple[int, str]]]
 
 DEFAULT_TABLE: Table = {"prefill": [(0, "naive")], "decode": [(0, "absorb")]}
 
-# Measured by benchmarks/mla_strategies.py at DeepSeek-V2-Lite's attention shape.
+# Measured by benchmarks/mla_strategies.py at DeepSeek-V2-Lite's attention shape
+# (2-core x86 CPU, MLX CPU build, float32; contexts 512-16K decode, a 2K prefill chunk).
 CROSSOVER_TABLES: Dict[str, Table] = {
     "cpu": {"prefill": [(0, "naive")], "decode": [(0, "absorb")]},
 }
