@@ -1,0 +1,517 @@
+"""End-to-end decode/prefill: mlx_mla vs mlx-lm ``deepseek_v2`` and ``deepseek_v3`` on one model.
+
+The model: DeepSeek-V2-Lite's real dimensions (hidden 2048, 16 heads, kv_lora_rank 512,
+rope 64 / nope 128 / v 128, 64 routed experts top-6 + 2 shared of 1408, dense
+intermediate 10944 in layer 0, vocab 102400, YaRN factor 40) with fewer layers (default 2:
+one dense, one MoE), random weights, quantized 4-bit / group 64 once (mlx-lm's
+``nn.quantize``, as ``mlx_lm.convert -q`` does, ``kv_b_proj`` included). All engines load
+those same quantized tensors:
+
+- ``mlx_mla <strategy>``: ``mlx_mla.Model`` + its ``sanitize`` (splits, and dequantizes
+  ``kv_b_proj`` to float W_UK / W_UV);
+- ``mlx-lm v2``: stock ``mlx_lm.models.deepseek_v2.Model`` (decompressed K/V cache);
+- ``mlx-lm v3``: stock ``mlx_lm.models.deepseek_v3.Model`` with the same dimensions
+  (``model_type`` deepseek_v3, its ``sanitize`` re-quantizes kv_b_proj into ``embed_q`` /
+  ``unembed_out``): absorbed attention over a latent cache. Its router is V3's (sigmoid,
+  ``noaux_tc``, zero correction bias) rather than V2's softmax — same expert count and
+  top-k, so the same work per token; what is compared is the attention and the cache.
+
+Measured, per engine: decode tok/s at contexts 512, 4K, 16K (the caches are filled
+directly with random latents / keys — prefilling 16K tokens through the MoE would take
+minutes on 2 cores — then mlx-lm's ``generate_step`` runs a few steps on top); prefill
+tok/s for 2K tokens (``generate_step`` with prefill_step_size 2048); weight bytes, cache
+bytes per token, peak memory (weights + cache + the step's transient, from
+``mx.get_peak_memory``). Two comparisons: each engine at its defaults (mlx_mla: float32
+activations on CPU; mlx-lm: the checkpoint's bfloat16), and every engine in float32.
+
+Longest context for a memory budget (default 16 GiB), at V2-Lite's full 27 layers:
+weights(27) + S · (cache/token(27) + transient slope) + transient intercept ≤ budget, with
+weights extrapolated per layer from the measured model and the transient fitted over the
+three contexts; verified here at small scale by running at the context the same formula
+gives for a small budget and comparing the measured peak with the prediction.
+
+    python benchmarks/e2e_decode.py                # ~10 minutes on a 2-core CPU
+Writes benchmarks/results/e2e_decode.{csv,json}, e2e_budget.csv, e2e_decode.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten, tree_map
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+V2_LITE = {
+    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+    "n_routed_experts": 64, "routed_scaling_factor": 1.0, "kv_lora_rank": 512,
+    "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+    "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    "attention_bias": False, "tie_word_embeddings": False,
+}
+FULL_LAYERS = 27
+STRATEGIES = ("auto", "naive", "absorb-materialized", "absorb")
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
+GiB = 2**30
+
+
+# ---------------------------------------------------------------- weights and engines
+
+
+def make_config(layers: int, base: Optional[dict] = None) -> dict:
+    """``base`` (default V2_LITE) with ``layers`` decoder layers."""
+    return {**(base or V2_LITE), "num_hidden_layers": layers}
+
+
+def _quantize(model: nn.Module, group_size: int, bits: int, weights: Optional[dict] = None):
+    """nn.quantize like mlx-lm: every Linear/Embedding/SwitchLinear whose input dim divides
+    by the group; with ``weights``, exactly the modules that have ``.scales`` there."""
+    def pred(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if weights is not None:
+            return f"{path}.scales" in weights
+        return m.weight.shape[-1] % group_size == 0
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=pred)
+
+
+def random_quantized_weights(config: dict, bits: int = 4, group_size: int = 64,
+                             seed: int = 0, evaluate: bool = True) -> Dict[str, mx.array]:
+    """Random weights in mlx-lm ``deepseek_v2`` layout (experts stacked in switch_mlp),
+    quantized by mlx-lm's model classes as ``mlx_lm.convert -q`` would."""
+    from mlx_lm.models import deepseek_v2 as v2
+
+    mx.random.seed(seed)
+    model = v2.Model(v2.ModelArgs.from_dict(config))
+    # MLX's default inits are random except the router and norms; give the router weights
+    # so routing spreads over the experts, and norms a little spread.
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.weight = mx.random.normal(layer.mlp.gate.weight.shape) * 0.02
+    _quantize(model, group_size, bits)
+    weights = dict(tree_flatten(model.parameters()))
+    if evaluate:  # lazy (evaluate=False) still has every shape, so nbytes, for sizing
+        mx.eval(weights)
+    return weights
+
+
+def _cast(model: nn.Module, dtype: mx.Dtype, evaluate: bool = True) -> None:
+    model.update(tree_map(
+        lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+        model.parameters()))
+    if evaluate:
+        mx.eval(model.parameters())
+
+
+def build_mlx_lm_v2(config: dict, weights: dict, dtype: mx.Dtype, group_size=64, bits=4,
+                    evaluate: bool = True):
+    from mlx_lm.models import deepseek_v2 as v2
+
+    model = v2.Model(v2.ModelArgs.from_dict(config))
+    _quantize(model, group_size, bits, weights)
+    model.load_weights(list(weights.items()))
+    _cast(model, dtype, evaluate)
+    return model
+
+
+def v3_config(config: dict) -> dict:
+    """The same dimensions as a ``deepseek_v3`` config (V3 router: sigmoid + noaux_tc)."""
+    return {**config, "model_type": "deepseek_v3", "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1}
+
+
+def build_mlx_lm_v3(config: dict, weights: dict, dtype: mx.Dtype, group_size=64, bits=4,
+                    evaluate: bool = True):
+    from mlx_lm.models import deepseek_v3 as v3
+
+    cfg = v3_config(config)
+    model = v3.Model(v3.ModelArgs.from_dict(cfg))
+    w = dict(weights)
+    for i in range(config["num_hidden_layers"]):
+        if f"model.layers.{i}.mlp.gate.weight" in w:
+            w[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = mx.zeros(
+                (config["n_routed_experts"],))
+    w = model.sanitize(w)
+    _quantize(model, group_size, bits, w)
+    model.load_weights(list(w.items()))
+    _cast(model, dtype, evaluate)
+    return model
+
+
+def build_mlx_mla(config: dict, weights: dict, dtype: mx.Dtype, strategy: str = "auto",
+                  group_size=64, bits=4, evaluate: bool = True):
+    from mlx_mla import Model, ModelArgs
+
+    model = Model(ModelArgs.from_dict(config))
+    w = model.sanitize(dict(weights))
+    _quantize(model, group_size, bits, w)
+    model.load_weights(list(w.items()))
+    _cast(model, dtype, evaluate)
+    if evaluate:
+        model.set_mla_strategy(strategy)
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters plus any derived weights a strategy keeps outside
+    them (absorb-materialized's precomputed matrices)."""
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    for layer in model.layers:
+        for name in ("_absorbed_q", "_absorbed_o"):
+            lin = getattr(layer.self_attn, name, None)
+            if lin is not None:
+                total += sum(v.nbytes for _, v in tree_flatten(lin.parameters()))
+    return total
+
+
+# ---------------------------------------------------------------- caches
+
+
+def fill_cache(engine: str, model, config: dict, S: int, dtype: mx.Dtype, seed: int = 1):
+    """A prompt cache as if S tokens had been processed: random latents (mlx_mla, mlx-lm
+    v3) or random decompressed keys/values (mlx-lm v2), in each engine's own cache class."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    H, r, dr = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    dn, dv = config["qk_nope_head_dim"], config["v_head_dim"]
+    key = mx.random.key(seed)
+    for c in cache:
+        k1, k2, key = mx.random.split(key, 3)
+        if engine.startswith("mlx_mla"):
+            a, b = (1, S, r), (1, S, dr)
+        elif engine == "mlx-lm v3":
+            a, b = (1, 1, S, r), (1, 1, S, dr)
+        else:
+            a, b = (1, H, S, dn + dr), (1, H, S, dv)
+        c.update_and_fetch(mx.random.normal(a, dtype, key=k1), mx.random.normal(b, dtype, key=k2))
+        mx.eval(c.state)
+    return cache
+
+
+def cache_bytes_per_token(cache) -> float:
+    """Physical bytes per cached token over all layers (sequence axis -2 in every cache)."""
+    return float(sum(a.nbytes / a.shape[-2] for c in cache for a in c.state
+                     if isinstance(a, mx.array) and a.ndim >= 2))
+
+
+def cache_nbytes(cache) -> int:
+    return int(sum(c.nbytes for c in cache))
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def decode(model, cache, steps: int, token: int = 1000) -> Dict[str, float]:
+    """``steps`` decode steps through mlx-lm's ``generate_step`` on ``cache``, after one
+    untimed step; tok/s is 1 / the median interval between tokens (robust to other work on
+    the machine). The cache is trimmed back afterwards. Also returns the peak transient
+    bytes above what was allocated before (weights and the filled cache)."""
+    from mlx_lm.generate import generate_step
+
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    times = []
+    gen = generate_step(mx.array([token]), model, max_tokens=steps + 1, prompt_cache=cache,
+                        sampler=lambda lp: mx.argmax(lp, axis=-1))
+    for _ in gen:
+        times.append(time.perf_counter())
+    transient = mx.get_peak_memory() - base
+    for c in cache:
+        c.trim(steps + 1)
+    intervals = np.diff(times)
+    return {"decode_tps": 1.0 / float(np.median(intervals)), "transient_bytes": float(transient)}
+
+
+def prefill(model, n_tokens: int, vocab: int, seed: int = 2) -> Dict[str, float]:
+    """Prefill ``n_tokens`` random tokens with ``generate_step`` (one chunk), timed to the
+    first generated token. Returns tok/s and peak bytes above the weights."""
+    from mlx_lm.generate import generate_step
+
+    tokens = mx.random.randint(0, vocab, (n_tokens,), key=mx.random.key(seed))
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    for _ in generate_step(tokens, model, max_tokens=1, prefill_step_size=n_tokens,
+                           sampler=lambda lp: mx.argmax(lp, axis=-1)):
+        pass
+    t = time.perf_counter() - tic
+    return {"prefill_tps": n_tokens / t, "prefill_peak_bytes": float(mx.get_peak_memory() - base)}
+
+
+def engines_for(strategies=STRATEGIES) -> List[str]:
+    return [f"mlx_mla {s}" for s in strategies] + ["mlx-lm v2", "mlx-lm v3"]
+
+
+def build(engine: str, config: dict, weights: dict, dtype: mx.Dtype, evaluate: bool = True):
+    if engine.startswith("mlx_mla"):
+        return build_mlx_mla(config, weights, dtype, engine.split(" ", 1)[1], evaluate=evaluate)
+    if engine == "mlx-lm v2":
+        return build_mlx_lm_v2(config, weights, dtype, evaluate=evaluate)
+    return build_mlx_lm_v3(config, weights, dtype, evaluate=evaluate)
+
+
+def plans(strategies=STRATEGIES, default_dtypes=None):
+    """[(comparison, engine, dtype name)]: every engine in float32, then each engine at its
+    defaults (mlx_mla: float32 on the CPU; mlx-lm: the checkpoint's bfloat16)."""
+    default_dtypes = default_dtypes or {"mlx_mla": "float32", "mlx-lm": "bfloat16"}
+    out = [("same dtype (float32)", e, "float32") for e in engines_for(strategies)]
+    for e in ("mlx_mla auto", "mlx-lm v2", "mlx-lm v3"):
+        out.append(("defaults", e, default_dtypes[e.split(" ")[0]]))
+    return out
+
+
+def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
+        decode_steps: int = 4, strategies=STRATEGIES, default_dtypes=None,
+        prefill_for=(("same dtype (float32)", "mlx_mla auto"), ("same dtype (float32)", "mlx-lm v2"),
+                     ("same dtype (float32)", "mlx-lm v3")),
+        weights=None, log=print) -> List[dict]:
+    """One row per (comparison, engine, context). Prefill is measured only for the
+    (comparison, engine) pairs in ``prefill_for`` (others: None) — on 2 cores a 2K-token
+    prefill through the 4-bit MoE takes minutes per engine, and ``auto`` prefills with
+    ``naive`` on the CPU, so naive's prefill is auto's."""
+    weights = weights if weights is not None else random_quantized_weights(config)
+    rows = []
+    for comparison, engine, dtype_name in plans(strategies, default_dtypes):
+        dtype = DTYPES[dtype_name]
+        model = build(engine, config, weights, dtype)
+        wbytes = weight_bytes(model)
+        pf = {"prefill_tps": None, "prefill_peak_bytes": None}
+        if (comparison, engine) in prefill_for:
+            pf = prefill(model, prefill_tokens, config["vocab_size"])
+            log(f"[{comparison}] {engine} {dtype_name}: prefill {prefill_tokens} tokens "
+                f"{pf['prefill_tps']:.2f} tok/s")
+        warm = fill_cache(engine, model, config, 16, dtype)
+        decode(model, warm, 1)  # first calls build kernels / compile
+        for S in contexts:
+            cache = fill_cache(engine, model, config, S, dtype)
+            d = decode(model, cache, decode_steps)
+            row = {
+                "comparison": comparison, "engine": engine, "dtype": dtype_name,
+                "layers": config["num_hidden_layers"], "context": S,
+                "decode_tps": d["decode_tps"], "prefill_tokens": prefill_tokens,
+                "prefill_tps": pf["prefill_tps"], "weight_bytes": wbytes,
+                "cache_bytes_per_token": cache_bytes_per_token(cache),
+                "cache_bytes": cache_nbytes(cache), "transient_bytes": d["transient_bytes"],
+                "peak_bytes": wbytes + cache_nbytes(cache) + d["transient_bytes"],
+                "prefill_peak_bytes": (wbytes + pf["prefill_peak_bytes"]
+                                       if pf["prefill_peak_bytes"] is not None else None),
+            }
+            rows.append(row)
+            log(f"[{comparison}] {engine} {dtype_name} S={S}: decode {d['decode_tps']:.2f} tok/s, "
+                f"cache {row['cache_bytes_per_token']:.0f} B/tok, peak {row['peak_bytes'] / GiB:.2f} GiB")
+            del cache
+        del model, warm
+        gc.collect()
+        mx.clear_cache()
+    return rows
+
+
+# ---------------------------------------------------------------- memory budget
+
+
+def full_weight_bytes(engine: str, config: dict, dtype: mx.Dtype, layers: int = FULL_LAYERS) -> int:
+    """Weight bytes of ``engine`` at ``layers`` layers, from shapes only (lazy arrays)."""
+    cfg = make_config(layers, config)
+    w = random_quantized_weights(cfg, evaluate=False)
+    model = build(engine, cfg, w, dtype, evaluate=False)
+    return weight_bytes(model)
+
+
+def transient_fit(rows: List[dict]) -> Dict[tuple, tuple]:
+    """{(comparison, engine): (intercept, slope per token)} of the decode transient over S."""
+    fits = {}
+    keys = {(r["comparison"], r["engine"]) for r in rows}
+    for key in keys:
+        pts = sorted((r["context"], r["transient_bytes"]) for r in rows
+                     if (r["comparison"], r["engine"]) == key)
+        S = np.array([p[0] for p in pts], float)
+        T = np.array([p[1] for p in pts], float)
+        slope, icpt = np.polyfit(S, T, 1) if len(S) > 1 else (0.0, T[0])
+        fits[key] = (float(max(icpt, 0.0)), float(max(slope, 0.0)))
+    return fits
+
+
+def max_context(budget: float, weights: float, cache_per_token: float, fit: tuple) -> int:
+    """Largest S with weights + S·(cache/token + slope) + intercept ≤ budget (0 if none)."""
+    icpt, slope = fit
+    return max(int((budget - weights - icpt) // (cache_per_token + slope)), 0)
+
+
+def budget_table(rows: List[dict], config: dict, budget: float,
+                 engines=(("same dtype (float32)", "mlx_mla auto"), ("same dtype (float32)", "mlx-lm v2"),
+                          ("same dtype (float32)", "mlx-lm v3"), ("defaults", "mlx-lm v2"),
+                          ("defaults", "mlx-lm v3"))) -> List[dict]:
+    """Longest context within ``budget`` bytes at V2-Lite's 27 layers, per engine."""
+    fits = transient_fit(rows)
+    n = config["num_hidden_layers"]
+    out = []
+    for comparison, engine in engines:
+        sel = [r for r in rows if (r["comparison"], r["engine"]) == (comparison, engine)]
+        if not sel:
+            continue
+        dtype = DTYPES[sel[0]["dtype"]]
+        w27 = full_weight_bytes(engine, config, dtype)
+        per_tok27 = sel[0]["cache_bytes_per_token"] / n * FULL_LAYERS
+        out.append({
+            "comparison": comparison, "engine": engine, "dtype": sel[0]["dtype"],
+            "layers": FULL_LAYERS, "budget_bytes": budget, "weight_bytes": w27,
+            "cache_bytes_per_token": per_tok27, "transient_intercept": fits[(comparison, engine)][0],
+            "transient_per_token": fits[(comparison, engine)][1],
+            "max_context": max_context(budget, w27, per_tok27, fits[(comparison, engine)]),
+        })
+    return out
+
+
+def verify_budget(rows: List[dict], config: dict, weights: dict, extra_budget: float,
+                  engines=("mlx_mla auto", "mlx-lm v2"), steps: int = 2, cap: int = 200_000,
+                  log=print) -> List[dict]:
+    """Small-scale check of the formula on the measured model (float32): budget = its
+    weights + ``extra_budget``; run at the context the formula allows and compare the
+    measured peak (weights + cache + transient) with the predicted one."""
+    fits = transient_fit(rows)
+    out = []
+    for engine in engines:
+        key = ("same dtype (float32)", engine)
+        sel = [r for r in rows if (r["comparison"], r["engine"]) == key]
+        model = build(engine, config, weights, mx.float32)
+        wbytes = weight_bytes(model)
+        per_tok = sel[0]["cache_bytes_per_token"]
+        budget = wbytes + extra_budget
+        S = min(max_context(budget, wbytes, per_tok, fits[key]), cap)
+        predicted = wbytes + S * (per_tok + fits[key][1]) + fits[key][0]
+        cache = fill_cache(engine, model, config, S, mx.float32)
+        d = decode(model, cache, steps)
+        measured = wbytes + cache_nbytes(cache) + d["transient_bytes"]
+        out.append({"engine": engine, "layers": config["num_hidden_layers"], "budget_bytes": budget,
+                    "context": S, "predicted_peak_bytes": predicted, "measured_peak_bytes": measured,
+                    "relative_error": (measured - predicted) / predicted})
+        log(f"[budget check] {engine}: S={S}, predicted {predicted / GiB:.3f} GiB, measured "
+            f"{measured / GiB:.3f} GiB ({out[-1]['relative_error']:+.1%})")
+        del cache, model
+        gc.collect()
+        mx.clear_cache()
+    return out
+
+
+# ---------------------------------------------------------------- output
+
+
+def ratios(rows: List[dict]) -> Dict[str, float]:
+    """The issue's targets, as same-run ratios (float32 comparison unless named)."""
+    def get(engine, S, comparison="same dtype (float32)"):
+        return next(r for r in rows if (r["comparison"], r["engine"], r["context"]) == (comparison, engine, S))
+    lo, hi = min(r["context"] for r in rows), max(r["context"] for r in rows)
+    ours_lo, ours_hi = get("mlx_mla auto", lo), get("mlx_mla auto", hi)
+    return {
+        "cache_bytes_ratio_vs_v2": ours_lo["cache_bytes_per_token"] / get("mlx-lm v2", lo)["cache_bytes_per_token"],
+        f"decode_{lo}_vs_v2_same_dtype": ours_lo["decode_tps"] / get("mlx-lm v2", lo)["decode_tps"],
+        f"decode_{hi}_vs_v3_same_dtype": ours_hi["decode_tps"] / get("mlx-lm v3", hi)["decode_tps"],
+        f"decode_{lo}_vs_v2_defaults": get("mlx_mla auto", lo, "defaults")["decode_tps"]
+        / get("mlx-lm v2", lo, "defaults")["decode_tps"],
+        f"decode_{hi}_vs_v3_defaults": get("mlx_mla auto", hi, "defaults")["decode_tps"]
+        / get("mlx-lm v3", hi, "defaults")["decode_tps"],
+    }
+
+
+def write_results(rows, budget, checks, meta, out_dir: Path = RESULTS) -> Dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out_dir / "e2e_decode.csv", "budget": out_dir / "e2e_budget.csv",
+             "json": out_dir / "e2e_decode.json", "png": out_dir / "e2e_decode.png"}
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with open(paths["budget"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(budget[0]))
+        w.writeheader()
+        w.writerows(budget)
+    paths["json"].write_text(json.dumps({"meta": meta, "rows": rows, "budget": budget,
+                                         "budget_checks": checks, "ratios": ratios(rows)}, indent=2))
+    plot(rows, budget, paths["png"])
+    return paths
+
+
+def plot(rows, budget, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for comparison, style in (("same dtype (float32)", "-o"), ("defaults", "--s")):
+        for engine in dict.fromkeys(r["engine"] for r in rows if r["comparison"] == comparison):
+            sel = sorted((r for r in rows if (r["comparison"], r["engine"]) == (comparison, engine)),
+                         key=lambda r: r["context"])
+            label = f"{engine} ({sel[0]['dtype']}{', default' if comparison == 'defaults' else ''})"
+            axes[0].plot([r["context"] for r in sel], [r["decode_tps"] for r in sel], style, label=label)
+    axes[0].set(xscale="log", xlabel="context (tokens)", ylabel="decode tok/s",
+                title=f"decode, {rows[0]['layers']}-layer V2-Lite-shaped 4-bit model")
+    axes[0].legend(fontsize=7)
+    f32 = [r for r in rows if r["comparison"] == "same dtype (float32)" and r["context"] == rows[0]["context"]]
+    axes[1].bar([r["engine"].replace("mlx_mla ", "mla ") for r in f32],
+                [r["cache_bytes_per_token"] / r["layers"] / 1024 for r in f32])
+    axes[1].set(ylabel="KiB per token per layer (float32)", title="cache bytes per token")
+    axes[1].tick_params(axis="x", rotation=30, labelsize=7)
+    axes[2].bar([f"{b['engine']}\n{b['dtype']}" for b in budget], [b["max_context"] / 1000 for b in budget])
+    axes[2].set(ylabel="thousand tokens", title=f"longest context in {budget[0]['budget_bytes'] / GiB:.0f} GiB, 27 layers")
+    axes[2].tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384])
+    p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--budget-gib", type=float, default=16.0)
+    p.add_argument("--check-extra-mib", type=float, default=256.0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    t0 = time.time()
+    # first_k_dense_replace 0 for a 1-layer model, so the one layer is an MoE layer (26 of
+    # V2-Lite's 27 are); with more layers layer 0 is dense, as in V2-Lite.
+    config = make_config(args.layers)
+    if args.layers == 1:
+        config["first_k_dense_replace"] = 0
+    weights = random_quantized_weights(config)
+    rows = run(config, tuple(args.contexts), args.prefill_tokens, args.decode_steps, weights=weights)
+    budget = budget_table(rows, config, args.budget_gib * GiB)
+    checks = verify_budget(rows, config, weights, args.check_extra_mib * 2**20)
+    import mlx_lm
+    meta = {"machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, "
+                       f"{platform.system()}", "backend": "MLX CPU" if mx.default_device() == mx.cpu else "MLX GPU",
+            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "layers": args.layers,
+            "quantization": "4-bit, group 64 (mlx-lm nn.quantize)", "decode_steps": args.decode_steps,
+            "seconds": time.time() - t0}
+    paths = write_results(rows, budget, checks, meta, args.out)
+    print(json.dumps(ratios(rows), indent=2))
+    print(f"wrote {', '.join(str(v) for v in paths.values())} in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

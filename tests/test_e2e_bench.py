@@ -1,0 +1,86 @@
+"""benchmarks/e2e_decode.py at a tiny size: the engines load the same weights and agree, and
+the measurement functions return well-formed results (shapes and sanity, not timings)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("e2e_decode", REPO / "benchmarks" / "e2e_decode.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+TINY = {**bench.V2_LITE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 64, "v_head_dim": 64}  # v3 re-quantizes W_UK along dn: dn % 64 == 0
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return bench.random_quantized_weights(TINY)
+
+
+def test_engines_read_the_same_weights_and_agree(weights):
+    tokens = mx.array([[3, 17, 99, 5, 42, 7]])
+    v2 = bench.build("mlx-lm v2", TINY, weights, mx.float32)
+    ref = v2(tokens)
+    for engine in ("mlx_mla auto", "mlx_mla absorb", "mlx_mla naive"):
+        ours = bench.build(engine, TINY, weights, mx.float32)(tokens)
+        assert mx.abs(ours - ref).max().item() < 1e-3, engine
+    # v3: same attention math (its kv_b is re-quantized, router differs) -> only close-ish
+    v3 = bench.build("mlx-lm v3", TINY, weights, mx.float32)(tokens)
+    assert v3.shape == ref.shape and bool(mx.isfinite(v3).all())
+
+
+def test_run_budget_and_outputs(weights, tmp_path):
+    rows = bench.run(TINY, contexts=(8, 40), prefill_tokens=12, decode_steps=2,
+                     weights=weights, log=lambda *_: None)
+    plans = bench.plans()
+    assert len(rows) == 2 * len(plans)
+    for r in rows:
+        assert r["decode_tps"] > 0 and r["weight_bytes"] > 0 and r["peak_bytes"] >= r["weight_bytes"]
+        assert r["cache_bytes"] >= r["context"] * r["cache_bytes_per_token"]
+    by = {(r["comparison"], r["engine"], r["context"]): r for r in rows}
+    f32 = "same dtype (float32)"
+    # physical cache sizes: latent 2 layers x (64 + 16) vs 2 x 2 heads x (80 + 64), float32
+    assert by[(f32, "mlx_mla auto", 8)]["cache_bytes_per_token"] == 2 * 80 * 4
+    assert by[(f32, "mlx-lm v3", 8)]["cache_bytes_per_token"] == 2 * 80 * 4
+    assert by[(f32, "mlx-lm v2", 8)]["cache_bytes_per_token"] == 2 * 2 * 144 * 4
+    assert by[("defaults", "mlx-lm v2", 8)]["cache_bytes_per_token"] == 2 * 2 * 144 * 2  # bf16
+    assert by[(f32, "mlx_mla auto", 8)]["prefill_tps"] > 0
+    assert by[(f32, "mlx_mla absorb", 8)]["prefill_tps"] is None
+
+    budget = bench.budget_table(rows, TINY, 2**30)
+    assert {b["engine"] for b in budget} == {"mlx_mla auto", "mlx-lm v2", "mlx-lm v3"}
+    for b in budget:
+        assert b["layers"] == 27 and b["max_context"] > 0
+    b = {(x["comparison"], x["engine"]): x for x in budget}
+    assert b[(f32, "mlx_mla auto")]["max_context"] > b[(f32, "mlx-lm v2")]["max_context"]
+    # lazy 27-layer sizing equals the bytes of a built 27-layer model
+    assert bench.full_weight_bytes("mlx-lm v2", TINY, mx.float32) == bench.weight_bytes(
+        bench.build("mlx-lm v2", bench.make_config(27, TINY),
+                    bench.random_quantized_weights(bench.make_config(27, TINY)), mx.float32))
+
+    checks = bench.verify_budget(rows, TINY, weights, 2**20, log=lambda *_: None)
+    assert [c["engine"] for c in checks] == ["mlx_mla auto", "mlx-lm v2"]
+    for c in checks:
+        assert c["context"] > 0 and np.isfinite(c["relative_error"])
+
+    meta = {"machine": "test"}
+    paths = bench.write_results(rows, budget, checks, meta, tmp_path)
+    assert paths["png"].stat().st_size > 0
+    data = json.loads(paths["json"].read_text())
+    assert set(data["ratios"]) >= {"cache_bytes_ratio_vs_v2", "decode_8_vs_v2_same_dtype",
+                                   "decode_40_vs_v3_same_dtype"}
+    assert data["ratios"]["cache_bytes_ratio_vs_v2"] == pytest.approx(80 / 288)
+    with open(paths["csv"]) as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
