@@ -2,8 +2,8 @@
 
 The model: DeepSeek-V2-Lite's real dimensions (hidden 2048, 16 heads, kv_lora_rank 512,
 rope 64 / nope 128 / v 128, 64 routed experts top-6 + 2 shared of 1408, dense
-intermediate 10944 in layer 0, vocab 102400, YaRN factor 40) with fewer layers (default 2:
-one dense, one MoE), random weights, quantized 4-bit / group 64 once (mlx-lm's
+intermediate 10944 in layer 0, vocab 102400, YaRN factor 40) with fewer layers (default 1,
+an MoE layer, as 26 of V2-Lite's 27 are; ``--layers N`` keeps layer 0 dense), random weights, quantized 4-bit / group 64 once (mlx-lm's
 ``nn.quantize``, as ``mlx_lm.convert -q`` does, ``kv_b_proj`` included). All engines load
 those same quantized tensors:
 
@@ -19,7 +19,9 @@ those same quantized tensors:
 Measured, per engine: decode tok/s at contexts 512, 4K, 16K (the caches are filled
 directly with random latents / keys — prefilling 16K tokens through the MoE would take
 minutes on 2 cores — then mlx-lm's ``generate_step`` runs a few steps on top); prefill
-tok/s for 2K tokens (``generate_step`` with prefill_step_size 2048); weight bytes, cache
+tok/s for 2K tokens (``generate_step`` with prefill_step_size 2048 — which evaluates only
+the cache state, so the last layer's FFN never runs for prompt tokens: with one layer, this
+is embedding + attention-projection throughput, not the full model's); weight bytes, cache
 bytes per token, peak memory (weights + cache + the step's transient, from
 ``mx.get_peak_memory``). Two comparisons: each engine at its defaults (mlx_mla: float32
 activations on CPU; mlx-lm: the checkpoint's bfloat16), and every engine in float32.
@@ -30,7 +32,7 @@ weights extrapolated per layer from the measured model and the transient fitted 
 three contexts; verified here at small scale by running at the context the same formula
 gives for a small budget and comparing the measured peak with the prediction.
 
-    python benchmarks/e2e_decode.py                # ~10 minutes on a 2-core CPU
+    python benchmarks/e2e_decode.py                # ~5 minutes on a 2-core CPU
 Writes benchmarks/results/e2e_decode.{csv,json}, e2e_budget.csv, e2e_decode.png.
 """
 
