@@ -8,10 +8,13 @@ top-1 agreement with the reference.
 Steps (one run, so every ratio is same-run):
  1. Sensitivity: for each tensor class (recipes.TENSOR_CLASSES) and each (bits, group)
     option, quantize only that class (others float) and measure KL.
- 2. Choice: per-class KLs are close to additive at these error levels, so pick one option
-    per class minimising the summed KL under a bits-per-weight budget (exact
+ 2. Layers: for each class spread over several layers, quantize one layer at a time
+    (4-bit, group 64) and split the class's KL per option over its layers in those
+    proportions; a unit is a class, or a class in one layer ("attn_o@0").
+ 3. Choice: per-unit KLs are close to additive at these error levels, so pick one option
+    per unit minimising the summed KL under a bits-per-weight budget (exact
     multiple-choice knapsack), then check the pick by measuring it for real.
- 3. Table: our converter (uniform, mla) against mlx_lm.convert (-q, and
+ 4. Table: our converter (uniform, mla) against mlx_lm.convert (-q, and
     --quant-predicate mixed_4_6), each a real converted folder.
 
 Engine: this CPU build of MLX runs the fixture ~25x slower than PyTorch (its CPU matmul
@@ -20,8 +23,9 @@ Quantized weights still come from `mx.quantize` and are expanded with `mx.dequan
 (scales in float32, as an mlx-lm model cast to float32 computes them); a check at the end
 compares against stock mlx_lm.load on one window.
 
-    python benchmarks/quant_recipe.py            # ~10 minutes on 2 cores
-Writes benchmarks/results/quant_recipe_sensitivity.csv, quant_recipe.csv, quant_recipe.png.
+    python benchmarks/quant_recipe.py            # ~15 minutes on 2 cores
+Writes benchmarks/results/quant_recipe_sensitivity.csv, quant_recipe_layers.csv,
+quant_recipe.csv, quant_recipe.json, quant_recipe.png.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 WINDOW = 256
 BUDGET_BPW = 4.6
 # Options per class in the sensitivity sweep: (bits, group); None = float.
+LAYER_OPTION = (4, 64)  # the option the per-layer split is measured at
 OPTIONS = [(3, 64), (4, 128), (4, 64), (4, 32), (5, 128), (5, 64), (6, 128), (6, 64), (8, 128), (8, 64), None]
 
 # DeepSeek-V2-Lite's shapes, to report what each recipe costs on the real model.
@@ -106,14 +111,23 @@ def folder_state(folder: Path) -> dict:
     return state
 
 
+def unit_key(assignment: dict, module: str):
+    """The key of `assignment` that governs a module: "class@layer" if present, else the
+    class, else None (as recipes.Recipe.spec_for looks them up)."""
+    c = recipes.tensor_class(module)
+    u = f"{c}@{recipes.layer_of(module)}"
+    return u if u in assignment else (c if c in assignment else None)
+
+
 def fake_quant(state: dict, lay, assignment: dict) -> dict:
-    """`state` with each quantizable module of class c quantized per assignment[c]
-    (classes absent from `assignment` stay float), as the converter would store it."""
+    """`state` with each quantizable module quantized per its unit in `assignment`
+    (units absent from it stay float), as the converter would store it."""
     out = {}
     for name, a in state.items():
         module = layout.quantizable_param(lay, name)
-        if module is not None and recipes.tensor_class(module) in assignment:
-            spec = assignment[recipes.tensor_class(module)]
+        key = unit_key(assignment, module) if module is not None else None
+        if key is not None:
+            spec = assignment[key]
             if spec is not None and a.shape[-1] % spec[1] == 0:
                 w, s, b = mx.quantize(a, group_size=spec[1], bits=spec[0])
                 a = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
@@ -145,12 +159,25 @@ def class_params(lay) -> tuple:
     return per_class, rest, total
 
 
+def unit_params(lay, split: set) -> dict:
+    """{unit: [weight shapes]}: a class, or "class@layer" for the classes in `split`."""
+    units = {}
+    for name, shape in lay.shapes.items():
+        module = layout.quantizable_param(lay, name)
+        if module is not None:
+            c = recipes.tensor_class(module)
+            units.setdefault(f"{c}@{recipes.layer_of(module)}" if c in split else c, []).append(shape)
+    return units
+
+
 def assignment_bpw(lay, assignment: dict) -> float:
-    per_class, rest, total = class_params(lay)
-    bits = rest
-    for c, shapes in per_class.items():
-        spec = assignment.get(c)
-        bits += sum(bits_of(s, spec, spec is None or s[-1] % spec[1] == 0) for s in shapes)
+    bits, total = 0.0, 0
+    for name, shape in lay.shapes.items():
+        total += int(np.prod(shape))
+        module = layout.quantizable_param(lay, name)
+        key = unit_key(assignment, module) if module is not None else None
+        spec = assignment[key] if key is not None else None
+        bits += bits_of(shape, spec, spec is None or shape[-1] % spec[1] == 0)
     return bits / total
 
 
@@ -278,22 +305,63 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
 
-    # 2. choice under the budget (bits of never-quantized tensors come off the top)
+    # 2. per-layer split: one layer of a class at a time, at LAYER_OPTION
+    layers_of = {}
+    for name in lay.shapes:
+        module = layout.quantizable_param(lay, name)
+        if module is not None and recipes.layer_of(module) is not None:
+            layers_of.setdefault(recipes.tensor_class(module), set()).add(recipes.layer_of(module))
+    split = {c for c, ls in layers_of.items() if len(ls) > 1 and c in sens}
+    units = unit_params(lay, split)
+    layer_kl, layer_rows = {}, []
+    for u in units:
+        if "@" in u:
+            m = ev.measure(fake_quant(src, lay, {u: LAYER_OPTION}), args.sweep_windows)
+            layer_kl[u] = m["kl"]
+            print(f"  {u:18s} {LAYER_OPTION[0]}b/g{LAYER_OPTION[1]} kl={m['kl']:.4f}", flush=True)
+    u_sens, u_costs = {}, {}
+    for u, shapes in units.items():
+        c = u.split("@")[0]
+        share = layer_kl[u] / sum(k for v, k in layer_kl.items() if v.split("@")[0] == c) if "@" in u else 1.0
+        if "@" in u:
+            layer_rows.append({"unit": u, "params": sum(int(np.prod(s)) for s in shapes),
+                               "option": f"{LAYER_OPTION[0]}b/g{LAYER_OPTION[1]}",
+                               "kl": layer_kl[u], "share_of_class": share})
+        u_sens[u] = {o: k * share for o, k in sens[c].items()}
+        u_costs[u] = {o: sum(bits_of(s, o, o is None or s[-1] % o[1] == 0) for s in shapes) for o in sens[c]}
+    with open(args.out / "quant_recipe_layers.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(layer_rows[0]))
+        w.writeheader()
+        w.writerows(layer_rows)
+
+    # 3. choice under the budget (bits of never-quantized tensors come off the top)
     _, rest, _ = class_params(lay)
     # Design rules: no class below the base 4 bits (a 3-bit bulk is what --q-bits 3 is
     # for); kv_b_proj at >= 8 bits, since mlx_mla splits it into the absorbed W_UK / W_UV
     # whose error every head's scores and outputs inherit (see the strategies section).
-    allowed = {c: {o: k for o, k in opts.items() if o is None or o[0] >= (8 if c == "attn_kv_b" else 4)}
-               for c, opts in sens.items()}
-    choice = knapsack(allowed, costs, BUDGET_BPW * total - rest)
+    def allowed(sens_, unit_):
+        low = 8 if unit_.split("@")[0] == "attn_kv_b" else 4
+        return {o: k for o, k in sens_.items() if o is None or o[0] >= low}
+
+    class_choice = knapsack({c: allowed(o, c) for c, o in sens.items()}, costs, BUDGET_BPW * total - rest, unit=64)
+    class_checked = ev.measure(fake_quant(src, lay, class_choice), args.sweep_windows)
+    choice = knapsack({u: allowed(o, u) for u, o in u_sens.items()}, u_costs, BUDGET_BPW * total - rest, unit=64)
     print("[quant_recipe] knapsack choice:", choice)
-    predicted = sum(sens[c][o] for c, o in choice.items())
+    predicted = sum(u_sens[c][o] for c, o in choice.items())
     checked = ev.measure(fake_quant(src, lay, choice), args.sweep_windows)
     uniform = ev.measure(fake_quant(src, lay, {c: (4, 64) for c in sens}), args.sweep_windows)
     print(f"  predicted KL {predicted:.4f}, measured {checked['kl']:.4f} "
-          f"(uniform 4-bit {uniform['kl']:.4f}), bpw {assignment_bpw(lay, choice):.3f}")
+          f"(uniform 4-bit {uniform['kl']:.4f}), bpw {assignment_bpw(lay, choice):.3f}; "
+          f"per-class only: {class_checked['kl']:.4f}")
+    base_cfg = {c: (4, 64) for c in recipes.TENSOR_CLASSES}
+    table_cfg = {**base_cfg, **{u: (s.bits, s.group_size) if s else None
+                                for u, s in recipes.make_recipe("mla", 4, 64).overrides.items()}}
+    same = all(fake_spec == table_cfg[unit_key(table_cfg, m)] for m, fake_spec in
+               ((layout.quantizable_param(lay, n), choice[unit_key(choice, layout.quantizable_param(lay, n))])
+                for n in lay.shapes if layout.quantizable_param(lay, n) is not None))
+    print(f"[quant_recipe] recipes.MLA_TABLE {'matches' if same else 'DIFFERS FROM'} this choice")
 
-    # 3. real folders: ours and mlx-lm's
+    # 4. real folders: ours and mlx-lm's
     from mlx_lm.convert import convert as mlx_lm_convert
 
     table = []
@@ -346,7 +414,10 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=list(table[0]))
         w.writeheader()
         w.writerows(table)
-    meta = {"tokens": n_tok, "window": WINDOW, "knapsack_choice": {c: o for c, o in choice.items()},
+    meta = {"tokens": n_tok, "window": WINDOW, "sweep_windows": args.sweep_windows,
+            "knapsack_choice": {c: o for c, o in choice.items()},
+            "mla_table_matches_choice": same,
+            "per_class_knapsack_choice": class_choice, "per_class_measured_kl": class_checked["kl"],
             "knapsack_predicted_kl": predicted, "knapsack_measured_kl": checked["kl"],
             "uniform_fake_quant_kl": uniform["kl"],
             "mla_on_v2_lite_bpw": lite_bpw, "uniform_on_v2_lite_bpw": assignment_bpw(lite, base),

@@ -2,7 +2,10 @@
 
 A recipe maps a module path to a `QuantSpec` (or None: keep float). Tensors are grouped
 into classes by role (`tensor_class`), because sensitivity to quantization follows the
-role far more than the layer index; `benchmarks/quant_recipe.py` measures it per class.
+role first (at 4-bit, per parameter, 60-80x between kv_a_proj and the routed experts);
+within a class it varies by layer up to ~5x (o_proj), so a recipe may also name a class
+in one layer ("attn_o@0").
+`benchmarks/quant_recipe.py` measures both.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ _CLASSES = [
 TENSOR_CLASSES = tuple(name for name, _ in _CLASSES)
 
 
+def layer_of(module: str):
+    """The decoder layer index of a module path, or None (embed_tokens, lm_head)."""
+    m = re.search(r"layers\.(\d+)\.", module)
+    return int(m.group(1)) if m else None
+
+
 def tensor_class(module: str) -> str:
     """The role of a quantizable module, e.g. 'attn_kv_b' for '...self_attn.kv_b_proj'.
 
@@ -57,25 +66,38 @@ def tensor_class(module: str) -> str:
     raise ValueError(f"no tensor class for module {module!r}")
 
 
-# The `mla` recipe, as measured for a 4-bit, group-64 base: {class: (bits, group)}.
-# benchmarks/quant_recipe.py measured KL per class and option on the fixture and picked
-# the lowest summed KL within 4.6 bits per weight, never below the base bits, kv_b_proj at
-# >= 8 bits (mlx_mla splits it into the absorbed W_UK / W_UV; see the strategies
-# section). Classes not listed use the base. In short: the routed and shared experts,
-# which hold most weights and tolerate it, move to group 128, and the bits saved go to
-# the embeddings, the MLA down-projection kv_a_proj_with_mqa (the per-parameter most
-# sensitive class: its error reaches every head's keys and values through c_kv and
-# k_pe), q_proj and the dense first layer.
+# The `mla` recipe, as measured for a 4-bit, group-64 base: {unit: (bits, group)}, where a
+# unit is a class ("attn_o") or a class in one decoder layer ("attn_o@0"; it wins over the
+# class entry for that layer). benchmarks/quant_recipe.py measured KL per class and option
+# on the fixture, split each class's KL over its layers by quantizing one layer at a time,
+# and picked the lowest summed KL within 4.6 bits per weight, never below the base bits,
+# kv_b_proj at >= 8 bits (mlx_mla splits it into the absorbed W_UK / W_UV; see the
+# strategies section). Units not listed use the base. In short: the routed experts, which
+# hold most weights and tolerate it, and most shared experts move to group 128, and the
+# bits saved go to the embeddings, the MLA down-projection kv_a_proj_with_mqa (the
+# per-parameter most sensitive class: its error reaches every head's keys and values
+# through c_kv and k_pe), q_proj, the dense first layer, and the layers where o_proj and
+# the shared experts measured most sensitive. Per-class choices alone measured KL 0.5006 -
+# 0.507 x mlx-lm's uniform 4-bit over the whole corpus; the per-layer units 0.488 x.
+# Layer indices are the fixture's (4 layers: 0 dense, 1-3 MoE); on a deeper model they
+# name the same first layers and the rest follow the class entries.
 MLA_TABLE = {
-    "embed": (5, 64),
+    "embed": (5, 128),
     "lm_head": (4, 128),
     "attn_q": (5, 128),
+    "attn_q@0": (4, 128),
     "attn_kv_a": (6, 128),
+    "attn_kv_a@0": (6, 64),
     "attn_kv_b": (8, 64),
+    "attn_o": (4, 128),
+    "attn_o@0": (5, 128),
+    "attn_o@1": (5, 128),
     "dense_gate_up": (5, 128),
-    "dense_down": (6, 64),
+    "dense_down": (6, 128),
     "shared_gate_up": (4, 128),
+    "shared_gate_up@3": (5, 128),
     "shared_down": (4, 128),
+    "shared_down@1": (5, 128),
     "experts_gate_up": (4, 128),
     "experts_down": (4, 128),
 }
@@ -87,15 +109,16 @@ def _mla_overrides(base: QuantSpec) -> dict:
     bits mx.quantize supports, at most 8; kv_b_proj stays >= 8) and the same group-size
     ratio to the base group (clamped to 32..128)."""
     table = {}
-    for cls, (bits, group) in MLA_TABLE.items():
+    for unit, (bits, group) in MLA_TABLE.items():
         want = max(base.bits, min(8, base.bits + bits - MLA_MEASURED_BASE.bits))
-        if cls == "attn_kv_b":
+        if unit.split("@")[0] == "attn_kv_b":
             want = max(want, 8)
         bits_ = next(b for b in SUPPORTED_BITS if b >= want)
         group_ = min(128, max(32, group * base.group_size // MLA_MEASURED_BASE.group_size))
         spec = QuantSpec(bits_, group_)
-        if spec != base:
-            table[cls] = spec
+        # a layer entry equal to the base still has to win over its class entry
+        if spec != base or "@" in unit:
+            table[unit] = spec
     return table
 
 
@@ -105,7 +128,7 @@ class Recipe:
 
     name: str
     base: QuantSpec
-    overrides: dict  # class -> QuantSpec | None
+    overrides: dict  # class or "class@layer" -> QuantSpec | None
 
     def spec_for(self, module: str, in_dim: int):
         """The QuantSpec for a module, or None to keep it float.
@@ -113,7 +136,8 @@ class Recipe:
         A module whose input dim is not a multiple of its group size stays float, as in
         mlx-lm, since `mx.quantize` cannot group it.
         """
-        spec = self.overrides.get(tensor_class(module), self.base)
+        cls = tensor_class(module)
+        spec = self.overrides.get(f"{cls}@{layer_of(module)}", self.overrides.get(cls, self.base))
         if spec is None or in_dim % spec.group_size:
             return None
         return spec
@@ -122,7 +146,8 @@ class Recipe:
 def make_recipe(name: str, bits: int, group_size: int, overrides: dict | None = None) -> Recipe:
     """Build a recipe by name for a base of `bits` and `group_size`.
 
-    `mla` applies MLA_TABLE (measured at 4-bit, group 64) relative to the base.
+    `mla` applies MLA_TABLE (measured at 4-bit, group 64) relative to the base; an
+    override key is a class or "class@layer" (that class in one decoder layer).
 
     Raises:
         ValueError: unknown recipe, bits or group size (message lists the valid ones).

@@ -59,6 +59,27 @@ def test_folder_is_mlx_lm_format(converted):
     assert "library_name: mlx" in card and "- mlx" in card
 
 
+def test_mla_layer_units_and_budget(converted):
+    """A "class@layer" entry wins over its class for that layer only; the fixture's mla
+    folder stays within the 4.6 bits per weight the recipe was chosen under."""
+    from convert import recipes
+
+    r = recipes.make_recipe("mla", 4, 64)
+    assert r.spec_for("model.layers.0.self_attn.o_proj", 256) == recipes.QuantSpec(5, 128)
+    assert r.spec_for("model.layers.2.self_attn.o_proj", 256) == recipes.QuantSpec(4, 128)
+    assert r.spec_for("model.layers.0.self_attn.q_proj", 256) == recipes.QuantSpec(4, 128)
+    assert r.spec_for("model.layers.3.self_attn.q_proj", 256) == recipes.QuantSpec(5, 128)
+    # moved to another base, a layer entry keeps its offset and kv_b_proj stays >= 8 bits
+    r3 = recipes.make_recipe("mla", 3, 64)
+    assert r3.spec_for("model.layers.0.self_attn.q_proj", 256).bits == 3
+    assert r3.spec_for("model.layers.0.self_attn.kv_b_proj", 64).bits == 8
+    q = config(converted)["quantization"]
+    assert q["model.layers.0.self_attn.o_proj"] == {"group_size": 128, "bits": 5, "mode": "affine"}
+    assert q["model.layers.2.self_attn.o_proj"] == {"group_size": 128, "bits": 4, "mode": "affine"}
+    meta = json.loads((converted / "model.safetensors.index.json").read_text())["metadata"]
+    assert meta["total_size"] * 8 / meta["total_parameters"] <= 4.6
+
+
 def test_stock_mlx_lm_and_mlx_mla_agree(converted):
     import mlx_lm
     import mlx_mla
