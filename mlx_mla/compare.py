@@ -32,7 +32,6 @@ import argparse
 import gc
 import json
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple

@@ -28,24 +28,17 @@ latter is what counts.
 
 from __future__ import annotations
 
-from .base import latent_attention
+from .base import WithoutDerivedWeights, latent_attention, query_nope
 
 
-class Absorb:
+class Absorb(WithoutDerivedWeights):
     """Factored absorbed MLA over the latent cache."""
 
     name = "absorb"
 
-    def prepare(self, attn) -> None:
-        pass
-
-    def release(self, attn) -> None:
-        pass
-
     def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask):
         B, L, _ = c_q.shape
-        H = attn.num_heads
-        q_nope = attn.w_uq(c_q).reshape(B, L, H, attn.qk_nope_head_dim).transpose(0, 2, 1, 3)
+        q_nope = query_nope(attn, c_q)  # (B, H, L, dn)
         q_latent = q_nope @ attn.w_uk  # (B, H, L, dn) @ (H, dn, r) -> (B, H, L, r)
         o_latent = latent_attention(q_latent, q_pe, c_kv, k_pe, mask, attn.scale)
         out = o_latent @ attn.w_uv.swapaxes(-1, -2)  # (B, H, L, dv)

@@ -38,6 +38,24 @@ DECODE_ROWS = 256
 BLOCK = 128
 
 
+class WithoutDerivedWeights:
+    """Base of strategies that compute from the checkpoint's own weights: nothing to
+    prepare or release."""
+
+    def prepare(self, attn) -> None:
+        pass
+
+    def release(self, attn) -> None:
+        pass
+
+
+def query_nope(attn, c_q: mx.array) -> mx.array:
+    """q_nope = W_UQ c_q per head: (B, L, q_in) → (B, H, L, qk_nope_head_dim)."""
+    B, L, _ = c_q.shape
+    q = attn.w_uq(c_q).reshape(B, L, attn.num_heads, attn.qk_nope_head_dim)
+    return q.transpose(0, 2, 1, 3)
+
+
 def latent_attention(
     q_latent: mx.array,
     q_pe: mx.array,

@@ -26,22 +26,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .base import WithoutDerivedWeights, query_nope
 
-class Naive:
+
+class Naive(WithoutDerivedWeights):
     """Decompress-then-attend MLA (transformers' DeepseekV2Attention, HF reference)."""
 
     name = "naive"
 
-    def prepare(self, attn) -> None:
-        pass
-
-    def release(self, attn) -> None:
-        pass
-
     def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask):
         B, L, _ = c_q.shape
         H, S = attn.num_heads, c_kv.shape[1]
-        q_nope = attn.w_uq(c_q).reshape(B, L, H, attn.qk_nope_head_dim).transpose(0, 2, 1, 3)
+        q_nope = query_nope(attn, c_q)  # (B, H, L, dn)
         c = c_kv[:, None]  # (B, 1, S, r)
         # Contiguous (H, r, d) copies (4 MB each at V2-Lite shape, made per call, not kept):
         # MLX's CPU GEMM then runs its vectorised form, with one head's (r, d) block in
