@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"Group size: {', '.join(map(str, recipes.SUPPORTED_GROUP_SIZES))} (default 64).")
     p.add_argument("--quant-recipe", default=recipes.DEFAULT_RECIPE,
                    help="Which tensors get which bits: 'mla' (default, recommended: --q-bits for the "
-                   "bulk, 8 bits for the classes measured most sensitive, see README) or 'uniform' "
+                   "bulk, 5-8 bits where KL measurements showed 4-bit hurts most, kv_b_proj at 8; see README) or 'uniform' "
                    "(--q-bits everywhere, like mlx_lm.convert -q).")
     p.add_argument("--dtype", default=None,
                    help=f"Float type of unquantized tensors and scales: {', '.join(DTYPES)} "
