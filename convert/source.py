@@ -15,12 +15,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_mla.config import read_config_file
+
 from .errors import ConvertError
 
 # The Hub id of a model: "owner/name" (no leading dot or slash, no path separators beyond one).
 _HUB_ID = re.compile(r"^[\w.\-]+/[\w.\-]+$")
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2",)
 
 # What a snapshot of a Hub repo needs for conversion (weights, config, tokenizer, card).
 HUB_ALLOW_PATTERNS = [
@@ -130,19 +131,10 @@ def read_config(folder: Path) -> dict:
     Raises:
         ConvertError: missing or unreadable config, or a model_type outside DeepSeek-V2.
     """
-    cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise ConvertError(f"{folder} has no config.json; is it a Hugging Face model folder?")
     try:
-        config = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConvertError(f"{cfg_path} is not valid JSON ({e})") from e
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConvertError(
-            f"model_type {model_type!r} is not supported: this converter handles the DeepSeek-V2 "
-            "family (model_type 'deepseek_v2'); use mlx_lm.convert for other models"
-        )
+        config = read_config_file(folder)
+    except ValueError as e:
+        raise ConvertError(str(e)) from e
     gen = folder / "generation_config.json"
     if gen.is_file():
         try:

@@ -8,7 +8,9 @@ Unknown keys are ignored, as ``mlx_lm.models.base.BaseModelArgs.from_dict`` does
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Optional
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2",)
@@ -75,12 +77,7 @@ class ModelArgs:
             ValueError: ``model_type`` is not in the DeepSeek-V2 family, the RoPE config is
                 of an unsupported type, or ``topk_method`` is unknown.
         """
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported: mlx-mla runs the DeepSeek-V2 "
-                f"family (model_type 'deepseek_v2'); use mlx-lm for other models"
-            )
+        check_model_type(config.get("model_type"))
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in names and k != "rope"}
         rope = _normalise_rope(config)
@@ -92,6 +89,34 @@ class ModelArgs:
                 f"topk_method {args.topk_method!r} is not supported; expected one of {TOPK_METHODS}"
             )
         return args
+
+
+def read_config_file(folder: Path) -> Dict[str, Any]:
+    """config.json of a model folder, with ``model_type`` checked to be DeepSeek-V2's.
+
+    Shared by the loader and the converter, which wrap the error in their own type.
+
+    Raises:
+        ValueError: no config.json, invalid JSON, or a model_type outside the family.
+    """
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no config.json: pass a Hugging Face or mlx-lm model folder")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from e
+    check_model_type(config.get("model_type"))
+    return config
+
+
+def check_model_type(model_type: Any) -> None:
+    """Raises ValueError unless ``model_type`` is in the DeepSeek-V2 family."""
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported: mlx-mla runs the DeepSeek-V2 "
+            f"family (model_type 'deepseek_v2'); use mlx-lm for other models"
+        )
 
 
 def _normalise_rope(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -118,4 +143,4 @@ def _normalise_rope(config: Dict[str, Any]) -> Dict[str, Any]:
     return rope
 
 
-__all__ = ["ModelArgs", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["ModelArgs", "SUPPORTED_MODEL_TYPES", "read_config_file", "check_model_type"]

@@ -19,7 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
 from .attention import STRATEGIES
-from .config import ModelArgs
+from .config import ModelArgs, read_config_file
 from .model import Model
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -68,14 +68,10 @@ def read_config(path: Path) -> dict:
         ModelLoadError: no config.json, unreadable JSON, wrong model_type, no safetensors,
             or a shard named in model.safetensors.index.json that is missing.
     """
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelLoadError(f"{path} has no config.json: pass a Hugging Face or mlx-lm model folder")
     try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{config_file} is not valid JSON ({e.msg}, line {e.lineno})") from e
-    ModelArgs.from_dict(config)  # raises on a model_type outside the family
+        config = read_config_file(path)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     if not list(path.glob("model*.safetensors")):
         raise ModelLoadError(
             f"{path} has no model*.safetensors weights: download the weights too, or "
@@ -157,10 +153,7 @@ def load(
             f"unknown MLA strategy {mla_strategy!r}: choose one of {', '.join(STRATEGIES)}"
         )
     path = resolve_model_path(str(path_or_repo), revision)
-    try:
-        config = read_config(path)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from e
+    config = read_config(path)
     target = activation_dtype(dtype, config)
     model, config = load_model(
         path, lazy=True, get_model_classes=lambda config: (Model, ModelArgs)

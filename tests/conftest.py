@@ -19,3 +19,13 @@ def fixture_dir() -> Path:
 @pytest.fixture(scope="session")
 def corpus_path() -> Path:
     return CORPUS
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module (benchmarks/ is scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

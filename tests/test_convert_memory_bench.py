@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
-from convert_helpers import REPO
 
-spec = importlib.util.spec_from_file_location("convert_memory", REPO / "benchmarks" / "convert_memory.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("convert_memory")
 
 TINY = {**bench.V2_LITE, "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
         "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,

@@ -4,18 +4,15 @@ the measurement functions return well-formed results (shapes and sanity, not tim
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("e2e_decode", REPO / "benchmarks" / "e2e_decode.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("e2e_decode")
 
 TINY = {**bench.V2_LITE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
 from mlx_mla.attention.strategies import base
 
-REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("mla_strategies", REPO / "benchmarks" / "mla_strategies.py")
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+from conftest import load_benchmark
+
+bench = load_benchmark("mla_strategies")
 
 TINY = {**bench.V2_LITE, "hidden_size": 128, "num_attention_heads": 4, "kv_lora_rank": 64,
         "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32}
