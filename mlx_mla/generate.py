@@ -22,16 +22,10 @@ from .loader import DTYPES, ModelLoadError, load
 DEFAULT_PROMPT = "ROMEO:"
 
 
-def str2bool(value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_lm.generate import DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_P
+    from mlx_lm.generate import (
+        DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_P, str2bool,
+    )
 
     p = argparse.ArgumentParser(
         prog="python -m mlx_mla.generate",
