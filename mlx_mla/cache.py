@@ -66,6 +66,7 @@ class LatentCache(_BaseCache):
 
     @property
     def state(self):
+        """(c_kv, k_pe) of the valid positions, as mlx-lm evaluates and saves caches."""
         if self.c_kv is None:
             return []
         return self.c_kv[:, : self.offset, :], self.k_pe[:, : self.offset, :]
@@ -82,6 +83,7 @@ class LatentCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions (mlx-lm prompt-cache reuse); returns how many."""
         n = min(self.offset, n)
         self.offset -= n
         return n

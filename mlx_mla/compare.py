@@ -58,6 +58,9 @@ QUANTIZED_MATERIALIZED = (2.0, 1e-2)
 
 @dataclass
 class Threshold:
+    """Agreement bound for one strategy: max |Δlogit| and mean KL(mlx-lm ‖ mlx_mla) over
+    positions (float64 KL of float32 logits); ``note`` says which rule produced it."""
+
     max_abs_logit: float
     mean_kl: float
     note: str = ""
@@ -213,6 +216,8 @@ def logit_stats(ref: np.ndarray, ours: np.ndarray) -> Tuple[np.ndarray, np.ndarr
 
 def threshold_for(dtype_name: str, quantized: bool, strategy: str,
                   override: Tuple[Optional[float], Optional[float]]) -> Threshold:
+    """The stated bound for (activation dtype, quantized folder?, strategy), with any
+    ``--max-logit-diff`` / ``--max-kl`` override applied; see ``THRESHOLDS``."""
     max_abs, kl = THRESHOLDS.get(dtype_name, THRESHOLDS["bfloat16"])
     note = dtype_name
     if quantized and strategy == "absorb-materialized":

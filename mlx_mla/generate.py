@@ -75,6 +75,7 @@ def fail(message: str) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; returns the exit status (0, or 1 with one ``error:`` line on stderr)."""
     from mlx_lm import generate as mlx_lm_generate
     from mlx_lm.sample_utils import make_sampler
 

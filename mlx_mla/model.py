@@ -37,6 +37,8 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(nn.Module):
+    """Embeddings, decoder layers, final RMSNorm: (B, L) token ids → (B, L, hidden)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)

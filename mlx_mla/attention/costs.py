@@ -51,6 +51,7 @@ class Costs:
 
     @property
     def bytes_read(self) -> int:
+        """Total bytes one call reads: weights + latent/KV cache + temporaries ∝ S."""
         return self.weight_bytes + self.cache_bytes + self.temp_bytes
 
 
