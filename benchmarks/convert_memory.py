@@ -6,7 +6,7 @@ shards), converts it with `-q` by both converters, each in a fresh subprocess, a
 records the child's peak RSS (`os.wait4` rusage). The checkpoint lives in a temporary
 folder that is deleted afterwards.
 
-    python benchmarks/convert_memory.py                 # ~5 minutes, ~10 GB of disk
+    python -m benchmarks.convert_memory                 # ~5 minutes, ~10 GB of disk
 Writes benchmarks/results/convert_memory.csv and convert_memory.png.
 """
 
@@ -25,25 +25,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE = ROOT.parent / "shared" / "fixtures" / "tiny-dsv2-lite-shakespeare"
-RESULTS = ROOT / "benchmarks" / "results"
+from mlx_mla import DEMO_MODEL
 
-V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
-    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
-    "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
-    "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
-    "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
-    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
-    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "bos_token_id": 0, "eos_token_id": 1,
-}
+from .common import RESULTS, ROOT, V2_LITE
 
 
 def hf_shapes(config: dict) -> dict:
@@ -118,7 +102,7 @@ def make_checkpoint(folder: Path, config: dict, shard_bytes: int, seed: int = 0)
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copyfile(FIXTURE / f, folder / f)
+        shutil.copyfile(DEMO_MODEL / f, folder / f)
     return total
 
 

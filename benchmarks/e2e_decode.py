@@ -3,15 +3,16 @@
 The model: DeepSeek-V2-Lite's real dimensions (hidden 2048, 16 heads, kv_lora_rank 512,
 rope 64 / nope 128 / v 128, 64 routed experts top-6 + 2 shared of 1408, dense
 intermediate 10944 in layer 0, vocab 102400, YaRN factor 40) with fewer layers (default 1,
-an MoE layer, as 26 of V2-Lite's 27 are; ``--layers N`` keeps layer 0 dense), random weights, quantized 4-bit / group 64 once (mlx-lm's
-``nn.quantize``, as ``mlx_lm.convert -q`` does, ``kv_b_proj`` included). All engines load
-those same quantized tensors:
+an MoE layer, as 26 of V2-Lite's 27 are; ``--layers N`` keeps layer 0 dense), random
+weights, quantized 4-bit / group 64 once and written as an mlx-lm folder (mlx-lm's
+``quantize_model`` / ``save_model``, as ``mlx_lm.convert -q`` does, ``kv_b_proj`` included)
+in a temporary directory. Every engine reads that folder through its own loader:
 
-- ``mlx_mla <strategy>``: ``mlx_mla.Model`` + its ``sanitize`` (splits, and dequantizes
+- ``mlx_mla <strategy>``: ``mlx_mla.load`` (splits the projections, and dequantizes
   ``kv_b_proj`` to float W_UK / W_UV);
-- ``mlx-lm v2``: stock ``mlx_lm.models.deepseek_v2.Model`` (decompressed K/V cache);
-- ``mlx-lm v3``: stock ``mlx_lm.models.deepseek_v3.Model`` with the same dimensions
-  (``model_type`` deepseek_v3, its ``sanitize`` re-quantizes kv_b_proj into ``embed_q`` /
+- ``mlx-lm v2``: stock ``mlx_lm.load`` (``deepseek_v2``, decompressed K/V cache);
+- ``mlx-lm v3``: stock ``mlx_lm.load`` of the same weights as a ``deepseek_v3`` folder
+  (same dimensions; its ``sanitize`` re-quantizes kv_b_proj into ``embed_q`` /
   ``unembed_out``): absorbed attention over a latent cache. Its router is V3's (sigmoid,
   ``noaux_tc``, zero correction bias) rather than V2's softmax — same expert count and
   top-k, so the same work per token; what is compared is the attention and the cache.
@@ -32,17 +33,17 @@ weights extrapolated per layer from the measured model and the transient fitted 
 three contexts; verified here at small scale by running at the context the same formula
 gives for a small budget and comparing the measured peak with the prediction.
 
-    python benchmarks/e2e_decode.py                # ~5 minutes on a 2-core CPU
+    python -m benchmarks.e2e_decode                # ~5 minutes on a 2-core CPU
 Writes benchmarks/results/e2e_decode.{csv,json}, e2e_budget.csv, e2e_decode.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import json
-import platform
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -50,28 +51,18 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from mlx_mla import DEMO_MODEL
+from mlx_mla.cache import cache_bytes_per_token
+from mlx_mla.dtypes import DTYPES, cast_floating
 
-V2_LITE = {
-    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
-    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
-    "n_routed_experts": 64, "routed_scaling_factor": 1.0, "kv_lora_rank": 512,
-    "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
-    "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
-    "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "rope_theta": 10000,
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
-    "attention_bias": False, "tie_word_embeddings": False,
-}
+from .common import RESULTS, V2_LITE, machine_info, with_layers, write_csv
+
 FULL_LAYERS = 27
 STRATEGIES = ("auto", "naive", "absorb-materialized", "absorb")
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 GiB = 2**30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 # ---------------------------------------------------------------- weights and engines
@@ -79,108 +70,97 @@ GiB = 2**30
 
 def make_config(layers: int, base: Optional[dict] = None) -> dict:
     """``base`` (default V2_LITE) with ``layers`` decoder layers."""
-    return {**(base or V2_LITE), "num_hidden_layers": layers}
+    return with_layers(base or V2_LITE, layers)
 
 
-def _quantize(model: nn.Module, group_size: int, bits: int, weights: Optional[dict] = None):
-    """nn.quantize like mlx-lm: every Linear/Embedding/SwitchLinear whose input dim divides
-    by the group; with ``weights``, exactly the modules that have ``.scales`` there."""
-    def pred(path, m):
-        if not hasattr(m, "to_quantized"):
-            return False
-        if weights is not None:
-            return f"{path}.scales" in weights
-        return m.weight.shape[-1] % group_size == 0
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=pred)
-
-
-def random_quantized_weights(config: dict, bits: int = 4, group_size: int = 64,
-                             seed: int = 0, evaluate: bool = True) -> Dict[str, mx.array]:
-    """Random weights in mlx-lm ``deepseek_v2`` layout (experts stacked in switch_mlp),
-    quantized by mlx-lm's model classes as ``mlx_lm.convert -q`` would."""
+def write_random_folder(config: dict, folder: Path, bits: int = 4, group_size: int = 64,
+                        seed: int = 0) -> Path:
+    """An mlx-lm folder of random weights at ``config``'s shape, quantized as
+    ``mlx_lm.convert -q`` does (mlx-lm's ``quantize_model`` / ``save_model``), so every
+    engine reads it through its own loader, as users would. The router gets random weights
+    (MLX initialises it to zeros) so routing spreads over the experts. Tokenizer files are
+    the demo checkpoint's (the loaders need one; the benchmark feeds token ids)."""
     from mlx_lm.models import deepseek_v2 as v2
+    from mlx_lm.utils import quantize_model, save_config, save_model
 
     mx.random.seed(seed)
     model = v2.Model(v2.ModelArgs.from_dict(config))
-    # MLX's default inits are random except the router and norms; give the router weights
-    # so routing spreads over the experts, and norms a little spread.
     for layer in model.model.layers:
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.weight = mx.random.normal(layer.mlp.gate.weight.shape) * 0.02
-    _quantize(model, group_size, bits)
-    weights = dict(tree_flatten(model.parameters()))
-    if evaluate:  # lazy (evaluate=False) still has every shape, so nbytes, for sizing
-        mx.eval(weights)
-    return weights
+    model, out_config = quantize_model(model, dict(config), group_size, bits)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(folder, model)
+    save_config(out_config, config_path=folder / "config.json")
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(DEMO_MODEL / name, folder / name)
+    return folder
 
 
-def _cast(model: nn.Module, dtype: mx.Dtype, evaluate: bool = True) -> None:
-    model.update(tree_map(
-        lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-        model.parameters()))
-    if evaluate:
-        mx.eval(model.parameters())
-
-
-def build_mlx_lm_v2(config: dict, weights: dict, dtype: mx.Dtype, group_size=64, bits=4,
-                    evaluate: bool = True):
-    from mlx_lm.models import deepseek_v2 as v2
-
-    model = v2.Model(v2.ModelArgs.from_dict(config))
-    _quantize(model, group_size, bits, weights)
-    model.load_weights(list(weights.items()))
-    _cast(model, dtype, evaluate)
-    return model
-
-
-def v3_config(config: dict) -> dict:
+def v3_overrides(config: dict) -> dict:
     """The same dimensions as a ``deepseek_v3`` config (V3 router: sigmoid + noaux_tc)."""
-    return {**config, "model_type": "deepseek_v3", "topk_method": "noaux_tc",
-            "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1}
+    return {"model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+            "n_group": 1, "topk_group": 1}
 
 
-def build_mlx_lm_v3(config: dict, weights: dict, dtype: mx.Dtype, group_size=64, bits=4,
-                    evaluate: bool = True):
-    from mlx_lm.models import deepseek_v3 as v3
+def v3_folder(v2_folder: Path, folder: Path, config: dict) -> Path:
+    """``v2_folder``'s weights (linked, not copied) as a ``deepseek_v3`` folder: its config
+    with ``v3_overrides`` and zero e_score_correction_bias tensors for the V3 router."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in v2_folder.iterdir():
+        if f.name.endswith(".safetensors") or f.name in TOKENIZER_FILES:
+            (folder / f.name).symlink_to(f.resolve())
+    v2_config = json.loads((v2_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**v2_config, **v3_overrides(config)}))
+    bias = {f"model.layers.{i}.mlp.gate.e_score_correction_bias": mx.zeros((config["n_routed_experts"],))
+            for i in range(config["num_hidden_layers"])
+            if i >= config["first_k_dense_replace"]}
+    if bias:
+        mx.save_safetensors(str(folder / "model-v3-router.safetensors"), bias)
+    return folder
 
-    cfg = v3_config(config)
-    model = v3.Model(v3.ModelArgs.from_dict(cfg))
-    w = dict(weights)
-    for i in range(config["num_hidden_layers"]):
-        if f"model.layers.{i}.mlp.gate.weight" in w:
-            w[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = mx.zeros(
-                (config["n_routed_experts"],))
-    w = model.sanitize(w)
-    _quantize(model, group_size, bits, w)
-    model.load_weights(list(w.items()))
-    _cast(model, dtype, evaluate)
-    return model
 
+def load_engine(engine: str, folders: Dict[str, Path], dtype: mx.Dtype):
+    """An engine by name from its folder, through its own loader: ``mlx_mla.load`` for
+    "mlx_mla <strategy>", stock ``mlx_lm.load`` for "mlx-lm v2" / "mlx-lm v3" (float
+    parameters then cast to ``dtype``, as ``mlx_mla.load`` casts its own)."""
+    if engine.startswith("mlx_mla"):
+        import mlx_mla
 
-def build_mlx_mla(config: dict, weights: dict, dtype: mx.Dtype, strategy: str = "auto",
-                  group_size=64, bits=4, evaluate: bool = True):
-    from mlx_mla import Model, ModelArgs
+        model, _ = mlx_mla.load(folders["v2"], mla_strategy=engine.split(" ", 1)[1], dtype=dtype)
+        return model
+    import mlx_lm
 
-    model = Model(ModelArgs.from_dict(config))
-    w = model.sanitize(dict(weights))
-    _quantize(model, group_size, bits, w)
-    model.load_weights(list(w.items()))
-    _cast(model, dtype, evaluate)
-    if evaluate:
-        model.set_mla_strategy(strategy)
-    return model
+    model, _ = mlx_lm.load(str(folders["v2" if engine == "mlx-lm v2" else "v3"]))
+    return cast_floating(model, dtype)
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters plus any derived weights a strategy keeps outside
-    them (absorb-materialized's precomputed matrices)."""
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    for layer in model.layers:
-        for name in ("_absorbed_q", "_absorbed_o"):
-            lin = getattr(layer.self_attn, name, None)
-            if lin is not None:
-                total += sum(v.nbytes for _, v in tree_flatten(lin.parameters()))
-    return total
+    """Bytes of the model's parameters plus any weights its MLA strategy derives and keeps
+    outside them (absorb-materialized's precomputed matrices)."""
+    return (sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+            + getattr(model, "derived_nbytes", 0))
+
+
+def lazy_weight_bytes(engine: str, config: dict, dtype: mx.Dtype, bits: int = 4,
+                      group_size: int = 64) -> int:
+    """Weight bytes of ``engine`` at ``config``'s shape from shapes alone (lazy arrays, no
+    weights read or allocated): the model class quantized as its loader would quantize a
+    ``write_random_folder`` folder, float parameters in ``dtype``."""
+    if engine.startswith("mlx_mla"):
+        from mlx_mla import Model, ModelArgs
+
+        model = Model(ModelArgs.from_dict(config))
+    else:
+        from mlx_lm.models import deepseek_v2, deepseek_v3
+
+        mod = deepseek_v2 if engine == "mlx-lm v2" else deepseek_v3
+        cfg = config if engine == "mlx-lm v2" else {**config, **v3_overrides(config)}
+        model = mod.Model(mod.ModelArgs.from_dict(cfg))
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda _, m: (
+        hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0))
+    cast_floating(model, dtype, evaluate=False)
+    return weight_bytes(model)
 
 
 # ---------------------------------------------------------------- caches
@@ -206,12 +186,6 @@ def fill_cache(engine: str, model, config: dict, S: int, dtype: mx.Dtype, seed: 
         c.update_and_fetch(mx.random.normal(a, dtype, key=k1), mx.random.normal(b, dtype, key=k2))
         mx.eval(c.state)
     return cache
-
-
-def cache_bytes_per_token(cache) -> float:
-    """Physical bytes per cached token over all layers (sequence axis -2 in every cache)."""
-    return float(sum(a.nbytes / a.shape[-2] for c in cache for a in c.state
-                     if isinstance(a, mx.array) and a.ndim >= 2))
 
 
 def cache_nbytes(cache) -> int:
@@ -266,12 +240,10 @@ def engines_for(strategies=STRATEGIES) -> List[str]:
     return [f"mlx_mla {s}" for s in strategies] + ["mlx-lm v2", "mlx-lm v3"]
 
 
-def build(engine: str, config: dict, weights: dict, dtype: mx.Dtype, evaluate: bool = True):
-    if engine.startswith("mlx_mla"):
-        return build_mlx_mla(config, weights, dtype, engine.split(" ", 1)[1], evaluate=evaluate)
-    if engine == "mlx-lm v2":
-        return build_mlx_lm_v2(config, weights, dtype, evaluate=evaluate)
-    return build_mlx_lm_v3(config, weights, dtype, evaluate=evaluate)
+def write_folders(config: dict, workdir: Path) -> Dict[str, Path]:
+    """The random 4-bit folder every engine loads ("v2"), and its deepseek_v3 twin ("v3")."""
+    v2 = write_random_folder(config, workdir / "v2")
+    return {"v2": v2, "v3": v3_folder(v2, workdir / "v3", config)}
 
 
 def plans(strategies=STRATEGIES, default_dtypes=None):
@@ -288,16 +260,16 @@ def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
         decode_steps: int = 4, strategies=STRATEGIES, default_dtypes=None,
         prefill_for=(("same dtype (float32)", "mlx_mla auto"), ("same dtype (float32)", "mlx-lm v2"),
                      ("same dtype (float32)", "mlx-lm v3")),
-        weights=None, log=print) -> List[dict]:
-    """One row per (comparison, engine, context). Prefill is measured only for the
-    (comparison, engine) pairs in ``prefill_for`` (others: None) — on 2 cores a 2K-token
-    prefill through the 4-bit MoE takes minutes per engine, and ``auto`` prefills with
-    ``naive`` on the CPU, so naive's prefill is auto's."""
-    weights = weights if weights is not None else random_quantized_weights(config)
+        folders: Dict[str, Path] = None, log=print) -> List[dict]:
+    """One row per (comparison, engine, context), every engine loaded from ``folders``
+    (``write_folders``). Prefill is measured only for the (comparison, engine) pairs in
+    ``prefill_for`` (others: None) — on 2 cores a 2K-token prefill through the 4-bit MoE
+    takes minutes per engine, and ``auto`` prefills with ``naive`` on the CPU, so naive's
+    prefill is auto's."""
     rows = []
     for comparison, engine, dtype_name in plans(strategies, default_dtypes):
         dtype = DTYPES[dtype_name]
-        model = build(engine, config, weights, dtype)
+        model = load_engine(engine, folders, dtype)
         wbytes = weight_bytes(model)
         pf = {"prefill_tps": None, "prefill_peak_bytes": None}
         if (comparison, engine) in prefill_for:
@@ -335,10 +307,7 @@ def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
 
 def full_weight_bytes(engine: str, config: dict, dtype: mx.Dtype, layers: int = FULL_LAYERS) -> int:
     """Weight bytes of ``engine`` at ``layers`` layers, from shapes only (lazy arrays)."""
-    cfg = make_config(layers, config)
-    w = random_quantized_weights(cfg, evaluate=False)
-    model = build(engine, cfg, w, dtype, evaluate=False)
-    return weight_bytes(model)
+    return lazy_weight_bytes(engine, make_config(layers, config), dtype)
 
 
 def transient_fit(rows: List[dict]) -> Dict[tuple, tuple]:
@@ -386,7 +355,7 @@ def budget_table(rows: List[dict], config: dict, budget: float,
     return out
 
 
-def verify_budget(rows: List[dict], config: dict, weights: dict, extra_budget: float,
+def verify_budget(rows: List[dict], config: dict, folders: Dict[str, Path], extra_budget: float,
                   engines=("mlx_mla auto", "mlx-lm v2"), steps: int = 2, cap: int = 200_000,
                   log=print) -> List[dict]:
     """Small-scale check of the formula on the measured model (float32): budget = its
@@ -397,7 +366,7 @@ def verify_budget(rows: List[dict], config: dict, weights: dict, extra_budget: f
     for engine in engines:
         key = ("same dtype (float32)", engine)
         sel = [r for r in rows if (r["comparison"], r["engine"]) == key]
-        model = build(engine, config, weights, mx.float32)
+        model = load_engine(engine, folders, mx.float32)
         wbytes = weight_bytes(model)
         per_tok = sel[0]["cache_bytes_per_token"]
         budget = wbytes + extra_budget
@@ -441,14 +410,8 @@ def write_results(rows, budget, checks, meta, out_dir: Path = RESULTS) -> Dict[s
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out_dir / "e2e_decode.csv", "budget": out_dir / "e2e_budget.csv",
              "json": out_dir / "e2e_decode.json", "png": out_dir / "e2e_decode.png"}
-    with open(paths["csv"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    with open(paths["budget"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(budget[0]))
-        w.writeheader()
-        w.writerows(budget)
+    write_csv(rows, paths["csv"])
+    write_csv(budget, paths["budget"])
     paths["json"].write_text(json.dumps({"meta": meta, "rows": rows, "budget": budget,
                                          "budget_checks": checks, "ratios": ratios(rows)}, indent=2))
     plot(rows, budget, paths["png"])
@@ -492,6 +455,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--check-extra-mib", type=float, default=256.0)
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="where to write the random model folder (a temporary one inside it)")
     args = p.parse_args(argv)
     t0 = time.time()
     # first_k_dense_replace 0 for a 1-layer model, so the one layer is an MoE layer (26 of
@@ -499,15 +464,14 @@ def main(argv=None) -> int:
     config = make_config(args.layers)
     if args.layers == 1:
         config["first_k_dense_replace"] = 0
-    weights = random_quantized_weights(config)
-    rows = run(config, tuple(args.contexts), args.prefill_tokens, args.decode_steps, weights=weights)
-    budget = budget_table(rows, config, args.budget_gib * GiB)
-    checks = verify_budget(rows, config, weights, args.check_extra_mib * 2**20)
-    import mlx_lm
-    meta = {"machine": f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores, "
-                       f"{platform.system()}", "backend": "MLX CPU" if mx.default_device() == mx.cpu else "MLX GPU",
-            "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "layers": args.layers,
-            "quantization": "4-bit, group 64 (mlx-lm nn.quantize)", "decode_steps": args.decode_steps,
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        folders = write_folders(config, Path(tmp))
+        rows = run(config, tuple(args.contexts), args.prefill_tokens, args.decode_steps,
+                   folders=folders)
+        budget = budget_table(rows, config, args.budget_gib * GiB)
+        checks = verify_budget(rows, config, folders, args.check_extra_mib * 2**20)
+    meta = {**machine_info(), "layers": args.layers, "decode_steps": args.decode_steps,
+            "quantization": "4-bit, group 64 (mlx_lm.utils.quantize_model)",
             "seconds": time.time() - t0}
     paths = write_results(rows, budget, checks, meta, args.out)
     print(json.dumps(ratios(rows), indent=2))

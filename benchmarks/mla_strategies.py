@@ -13,43 +13,28 @@ full K/V ``KVCache``) and ``mlx-lm deepseek_v3`` (``DeepseekV3Attention``: absor
 ``KVCache``). Beside each time: the analytic FLOPs and bytes read
 (``mlx_mla.attention.costs``) and the cache bytes.
 
-    python benchmarks/mla_strategies.py            # ~5 minutes on a 2-core CPU
+    python -m benchmarks.mla_strategies            # ~5 minutes on a 2-core CPU
 Writes benchmarks/results/mla_strategies.csv and mla_strategies.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mlx_mla.attention import MLAttention, costs, make_strategy
+from mlx_mla.attention.strategies.auto import backend_name, choose
+from mlx_mla.attention.strategies.auto import CROSSOVER_TABLES, DEFAULT_TABLE
+from mlx_mla.cache import LatentCache
+from mlx_mla.config import ModelArgs
 
-from mlx_mla.attention import MLAttention, make_strategy  # noqa: E402
-from mlx_mla.attention import costs  # noqa: E402
-from mlx_mla.attention.strategies.auto import backend_name  # noqa: E402
-from mlx_mla.attention.strategies.materialized import Materialized  # noqa: E402
-from mlx_mla.cache import LatentCache  # noqa: E402
-from mlx_mla.config import ModelArgs  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
-
-YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
-
-# DeepSeek-V2-Lite's attention dimensions (config.json of deepseek-ai/DeepSeek-V2-Lite).
-V2_LITE = {"model_type": "deepseek_v2", "hidden_size": 2048, "num_attention_heads": 16,
-           "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
-           "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840,
-           "rope_theta": 10000, "rope_scaling": YARN, "attention_bias": False}
+from .common import RESULTS, V2_LITE, write_csv
 
 STRATEGY_ROWS = ["naive", "absorb-materialized", "absorb", "auto"]
 PEER_ROWS = ["mlx-lm deepseek_v2", "mlx-lm deepseek_v3"]
@@ -88,7 +73,7 @@ def ours(config: Dict, strategy: str, seed: int = 0) -> MLAttention:
     _randomize(attn, seed)
     _quantize(attn)
     attn.strategy = make_strategy(strategy)
-    attn.strategy.prepare(attn)
+    attn.strategy.prepare(attn)  # the layer's own strategy object, as Model.set_mla_strategy does
     mx.eval(attn.parameters())
     return attn
 
@@ -153,12 +138,6 @@ def _step_fn(layer, cache, x, mask, S):
     return fn
 
 
-def causal_bool(L: int, offset: int) -> Optional[mx.array]:
-    if L == 1:
-        return None
-    return mx.arange(offset + L)[None, :] <= mx.arange(offset, offset + L)[:, None]
-
-
 def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
             repeats: int = 5, rows=STRATEGY_ROWS + PEER_ROWS, log=print) -> List[Dict]:
     """Rows {'phase', 'S', 'L', 'impl', 'ms', 'flops', 'bytes_read', 'cache_bytes'}.
@@ -184,12 +163,12 @@ def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
     for phase, S, L in points:
         offset = S - L if phase == "prefill" else S
         x = _rand((1, L, config["hidden_size"]), 7)
-        mask = causal_bool(L, offset)
         fns, times = {}, {}
         for name in rows:  # first call of each; seconds-long ones are timed by it alone
             kind, layer = layers[name]
-            fns[name] = _step_fn(layer, filled_cache(kind, config, offset, spare=L + 1),
-                                 x, mask, offset)
+            cache = filled_cache(kind, config, offset, spare=L + 1)
+            mask = cache.make_mask(L, return_array=True, window_size=None)
+            fns[name] = _step_fn(layer, cache, x, mask, offset)
             t0 = time.perf_counter()
             fns[name]()
             first = time.perf_counter() - t0
@@ -213,7 +192,7 @@ def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
                    "cost_model": cost_name, "flops": c.flops, "bytes_read": c.bytes_read,
                    "cache_bytes": cache_bytes(kind, config, S)}
             if name == "absorb-materialized":
-                row["extra_param_bytes"] = Materialized.extra_nbytes(layer)
+                row["extra_param_bytes"] = layer.strategy.derived_nbytes
             out.append(row)
             log(f"{phase:7s} S={S:6d} L={L:5d} {name:20s} {ms:9.2f} ms  "
                 f"{c.flops / 1e6:9.1f} MFLOP {c.bytes_read / 1e6:8.1f} MB read  "
@@ -264,8 +243,7 @@ def markdown_table(rows: List[Dict]) -> str:
 def _cost_name(name: str, args: ModelArgs, L: int, S: int) -> str:
     """The analytic model of a row: peers map onto the strategy they compute."""
     if name == "auto":
-        from mlx_mla.attention.strategies.auto import Auto
-        return Auto().choose(L, S)
+        return choose(CROSSOVER_TABLES.get(backend_name(), DEFAULT_TABLE), L, S)
     if name == "mlx-lm deepseek_v2":
         return "kv-cache"
     if name == "mlx-lm deepseek_v3":
@@ -273,14 +251,8 @@ def _cost_name(name: str, args: ModelArgs, L: int, S: int) -> str:
     return name
 
 
-def write_csv(rows: List[Dict], path: Path) -> None:
-    fields = ["phase", "S", "L", "impl", "ms", "cost_model", "flops", "bytes_read",
-              "cache_bytes", "extra_param_bytes"]
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k, "") for k in fields})
+FIELDS = ["phase", "S", "L", "impl", "ms", "cost_model", "flops", "bytes_read",
+          "cache_bytes", "extra_param_bytes"]
 
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:
@@ -317,7 +289,7 @@ def main(argv=None) -> None:
     t = time.perf_counter()
     rows = measure(V2_LITE, a.contexts, a.prefill, a.repeats)
     a.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, a.out / "mla_strategies.csv")
+    write_csv(rows, a.out / "mla_strategies.csv", FIELDS)
     plot(rows, a.out / "mla_strategies.png",
          f"One MLA layer, DeepSeek-V2-Lite shape, 4-bit weights, float32, MLX {backend_name()}")
     print(markdown_table(rows))

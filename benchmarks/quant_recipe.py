@@ -2,8 +2,9 @@
 
 Quality metric: KL(reference || quantized) of next-token distributions, averaged over every
 position of the held-out corpus (../shared/corpus/shakespeare-heldout.txt, 256-token
-windows) on the shared fixture; the reference is the bf16 checkpoint run in float32. Also
-top-1 agreement with the reference.
+windows; ``--corpus`` for another file) on the fixture checkpoint (the package's demo
+model: the shared fixture's weights); the reference is the bf16 checkpoint run in float32.
+Also top-1 agreement with the reference.
 
 Steps (one run, so every ratio is same-run):
  1. Sensitivity: for each tensor class (recipes.TENSOR_CLASSES) and each (bits, group)
@@ -23,7 +24,7 @@ Quantized weights still come from `mx.quantize` and are expanded with `mx.dequan
 (scales in float32, as an mlx-lm model cast to float32 computes them); a check at the end
 compares against stock mlx_lm.load on one window.
 
-    python benchmarks/quant_recipe.py            # ~15 minutes on 2 cores
+    python -m benchmarks.quant_recipe            # ~15 minutes on 2 cores
 Writes benchmarks/results/quant_recipe_sensitivity.csv, quant_recipe_layers.csv,
 quant_recipe.csv, quant_recipe.json, quant_recipe.png.
 """
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,34 +42,17 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from convert import ConvertOptions, convert
+from convert import layout, recipes
+from convert.source import open_source
+from mlx_mla import DEMO_MODEL as FIXTURE
 
-from convert import ConvertOptions, convert  # noqa: E402
-from convert import layout, recipes  # noqa: E402
-from convert.source import open_source  # noqa: E402
-
-SHARED = ROOT.parent / "shared"
-FIXTURE = SHARED / "fixtures" / "tiny-dsv2-lite-shakespeare"
-CORPUS = SHARED / "corpus" / "shakespeare-heldout.txt"
-RESULTS = ROOT / "benchmarks" / "results"
+from .common import RESULTS, SHARED_CORPUS, V2_LITE, shared_file
 WINDOW = 256
 BUDGET_BPW = 4.6
 # Options per class in the sensitivity sweep: (bits, group); None = float.
 LAYER_OPTION = (4, 64)  # the option the per-layer split is measured at
 OPTIONS = [(3, 64), (4, 128), (4, 64), (4, 32), (5, 128), (5, 64), (6, 128), (6, 64), (8, 128), (8, 64), None]
-
-# DeepSeek-V2-Lite's shapes, to report what each recipe costs on the real model.
-V2_LITE = {
-    "model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
-    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
-    "n_routed_experts": 64, "kv_lora_rank": 512, "q_lora_rank": None,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
-    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
-    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
-                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
-}
 
 
 # ---------------------------------------------------------------- weights (mlx-lm layout)
@@ -269,13 +252,16 @@ def main() -> None:
     ap.add_argument("--sweep-windows", type=int, default=24,
                     help="windows for the per-class sweep (the final table uses all)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--corpus", type=Path, default=SHARED_CORPUS,
+                    help="held-out text (default: ../shared/corpus/shakespeare-heldout.txt)")
     args = ap.parse_args()
+    corpus = shared_file(args.corpus, "the held-out text the KL is measured on")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
 
     src = source_state(FIXTURE)
     lay = layout.Layout.for_config(json.loads((FIXTURE / "config.json").read_text()))
-    ev = Evaluator(FIXTURE, CORPUS, args.max_windows)
+    ev = Evaluator(FIXTURE, corpus, args.max_windows)
     ev.set_reference({k: v.astype(mx.float32) for k, v in src.items()})
     n_tok = ev.windows.numel()
     print(f"[quant_recipe] {n_tok} held-out tokens in {len(ev.windows)} windows")

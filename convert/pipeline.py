@@ -10,11 +10,12 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
+from mlx_mla.dtypes import DTYPES
+
 from . import card, layout, recipes, source, writer
 from .errors import ConvertError
 from .upload import upload
 
-DTYPES = ("float16", "bfloat16", "float32")
 # Copied verbatim from the source: tokenizer files, generation config, remote code.
 COPY_PATTERNS = [
     "tokenizer.json",
@@ -80,14 +81,14 @@ class ConvertReport:
 def _target_dtype(opts: ConvertOptions, config: dict):
     """--dtype, else config's torch_dtype/dtype (as mlx-lm does), else keep each tensor's."""
     name = opts.dtype or config.get("torch_dtype") or config.get("dtype")
-    return getattr(mx, name) if name in DTYPES else None
+    return DTYPES.get(name)
 
 
 class _Converter:
     """Turns complete source units into output tensors and records the quantization config."""
 
-    def __init__(self, opts, src, lay, out):
-        self.opts, self.lay, self.out = opts, lay, out
+    def __init__(self, opts, src, mlx_layout, out):
+        self.opts, self.mlx_layout, self.out = opts, mlx_layout, out
         self.recipe = opts.recipe() if opts.quantize else None
         self.dtype = _target_dtype(opts, src.config)
         self.src_quant = src.config.get("quantization") if src.is_quantized else None
@@ -99,9 +100,10 @@ class _Converter:
             return a.astype(self.dtype)
         return a
 
-    def tensor(self, name, array):
+    def convert_tensor(self, name, array):
+        """Cast a float source tensor and, under a recipe, quantize it; add it to the output."""
         array = self._cast(array)
-        module = layout.quantizable_param(self.lay, name) if self.recipe else None
+        module = layout.quantizable_param(self.mlx_layout, name) if self.recipe else None
         if module is None:
             self.out.add(name, array)
             return
@@ -117,7 +119,9 @@ class _Converter:
         self.out.add(f"{module}.scales", s, parameters=0)
         self.out.add(f"{module}.biases", b, parameters=0)
 
-    def quantized(self, module, parts):
+    def convert_quantized(self, module, parts):
+        """A quantized source module's weight/scales/biases: passed through, or with -d
+        dequantized to float."""
         entry = self.src_quant.get(module, self.src_quant)
         if not isinstance(entry, dict):  # `false`: a float module listed explicitly
             entry = self.src_quant
@@ -194,13 +198,13 @@ def convert(opts: ConvertOptions) -> ConvertReport:
         raise ConvertError(f"{opts.hf_path} is already quantized; convert its float original, or pass -d")
     if opts.dequantize and not src.is_quantized:
         raise ConvertError(f"-d: {opts.hf_path} is not quantized (its config.json has no 'quantization')")
-    lay = layout.Layout.for_config(src.config)
-    layout.check_names(lay, {n: i for s in src.shards for n, i in s.tensors.items()})
+    mlx_layout = layout.Layout.for_config(src.config)
+    layout.check_names(mlx_layout, {n: i for s in src.shards for n, i in s.tensors.items()})
 
     with writer.staged_output(target, opts.force) as tmp:
         out = writer.ShardedWriter(tmp, opts.max_shard_bytes)
-        conv = _Converter(opts, src, lay, out)
-        assembler = layout.Assembler(lay.n_experts, _quantized_modules(src))
+        conv = _Converter(opts, src, mlx_layout, out)
+        assembler = layout.Assembler(mlx_layout.n_experts, _quantized_modules(src))
         for shard in src.shards:
             arrays = shard.load()
             names = list(shard.tensors)
@@ -209,9 +213,9 @@ def convert(opts: ConvertOptions) -> ConvertReport:
                 # pop: a loaded array must not outlive its conversion (that would hold the shard)
                 for kind, key, value in assembler.feed(name, arrays.pop(name)):
                     if kind == "tensor":
-                        conv.tensor(key, value)
+                        conv.convert_tensor(key, value)
                     else:
-                        conv.quantized(key, value)
+                        conv.convert_quantized(key, value)
             del arrays
             mx.clear_cache()
         assembler.finish()

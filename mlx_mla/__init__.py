@@ -7,8 +7,9 @@ from pathlib import Path
 
 from .attention import STRATEGIES
 from .cache import LatentCache
+from .checkpoint import ModelLoadError
 from .config import ModelArgs
-from .loader import ModelLoadError, load
+from .loader import load
 from .model import Model
 
 __version__ = "0.1.0"

@@ -7,21 +7,22 @@ DeepSeek-V2-Lite, against 16 heads × (192 + 128) = 5,120 for a decompressed K/V
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Iterable, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import _BaseCache
+from mlx_lm.models.base import create_causal_mask
 
 
-class LatentCache(_BaseCache):
+class LatentCache:
     """Per-layer latent cache, preallocated in blocks of ``step`` tokens.
 
     Fields, once filled (B = batch, S = allocated positions ≥ ``offset``):
         c_kv: (B, S, kv_lora_rank), the normalised KV latent (after kv_a_layernorm).
         k_pe: (B, S, qk_rope_head_dim), the shared RoPE key, already rotated.
-    ``offset`` is the number of valid positions. It follows mlx-lm's cache protocol
-    (``state``, ``trim``, ``nbytes``, ``make_mask``) so mlx-lm's generate loop and prompt
-    caches drive it unchanged.
+    ``offset`` is the number of valid positions. It implements mlx-lm's cache protocol
+    (``state`` / ``from_state``, ``size``, ``empty``, ``is_trimmable`` / ``trim``,
+    ``nbytes``) itself: mlx-lm calls those methods and checks no base class, so it does not
+    subclass mlx-lm's private ``_BaseCache``.
     """
 
     step = 256
@@ -61,6 +62,14 @@ class LatentCache(_BaseCache):
     def size(self) -> int:
         return self.offset
 
+    def make_mask(self, N: int, return_array: bool = True, **kwargs):
+        """Bool (N, offset + N) causal mask for the next N tokens (True = attend), or None
+        when N = 1 (a single token sees every cached position). Always an array, never
+        mlx-lm's "causal" shorthand: the absorbed strategies apply it with ``mx.where``."""
+        if N == 1:
+            return None
+        return create_causal_mask(N, self.offset)
+
     def empty(self) -> bool:
         return self.c_kv is None
 
@@ -78,6 +87,13 @@ class LatentCache(_BaseCache):
             return
         self.c_kv, self.k_pe = v
         self.offset = self.c_kv.shape[1]
+
+    @classmethod
+    def from_state(cls, state) -> "LatentCache":
+        """A cache holding ``state`` (what mlx-lm's ``load_prompt_cache`` calls)."""
+        cache = cls()
+        cache.state = state
+        return cache
 
     def is_trimmable(self) -> bool:
         return True
@@ -102,3 +118,15 @@ class LatentCache(_BaseCache):
         if self.c_kv is None:
             return 0
         return self.c_kv.nbytes + self.k_pe.nbytes
+
+
+def cache_bytes_per_token(cache: Iterable) -> float:
+    """Physical bytes per cached token over all layers of a prompt cache, ours or mlx-lm's
+    (the sequence axis is -2 both in mlx-lm's KVCache (B, H, S, D) and in LatentCache's
+    (B, S, r))."""
+    total = 0.0
+    for c in cache:
+        for a in c.state:
+            if isinstance(a, mx.array) and a.ndim >= 2 and a.shape[-2] > 0:
+                total += a.nbytes / a.shape[-2]
+    return total

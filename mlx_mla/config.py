@@ -8,9 +8,7 @@ Unknown keys are ignored, as ``mlx_lm.models.base.BaseModelArgs.from_dict`` does
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Dict, Optional
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2",)
@@ -55,6 +53,9 @@ class ModelArgs:
     rope: Dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    # mlx-lm's "quantization" entry of an mlx-lm folder: {"group_size", "bits", "mode"} plus
+    # one entry per module stored differently ({...} or false); None for float weights.
+    quantization: Optional[Dict[str, Any]] = None
 
     @property
     def q_head_dim(self) -> int:
@@ -68,6 +69,19 @@ class ModelArgs:
             and layer_idx >= self.first_k_dense_replace
             and layer_idx % self.moe_layer_freq == 0
         )
+
+    def quantization_of(self, module: str) -> Optional[Dict[str, Any]]:
+        """How ``module`` (a checkpoint path, e.g. "model.layers.0.self_attn.kv_b_proj") is
+        stored: {"group_size", "bits", "mode"} from its own ``quantization`` entry or the
+        folder's default, or None when the folder stores it in float."""
+        q = self.quantization
+        if not q:
+            return None
+        entry = q.get(module, q)
+        if not isinstance(entry, dict):  # false: a float module listed explicitly
+            return None
+        return {"group_size": entry["group_size"], "bits": entry["bits"],
+                "mode": entry.get("mode", "affine")}
 
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
@@ -89,25 +103,6 @@ class ModelArgs:
                 f"topk_method {args.topk_method!r} is not supported; expected one of {TOPK_METHODS}"
             )
         return args
-
-
-def read_config_file(folder: Path) -> Dict[str, Any]:
-    """config.json of a model folder, with ``model_type`` checked to be DeepSeek-V2's.
-
-    Shared by the loader and the converter, which wrap the error in their own type.
-
-    Raises:
-        ValueError: no config.json, invalid JSON, or a model_type outside the family.
-    """
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{folder} has no config.json: pass a Hugging Face or mlx-lm model folder")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg}, line {e.lineno})") from e
-    check_model_type(config.get("model_type"))
-    return config
 
 
 def check_model_type(model_type: Any) -> None:
@@ -143,4 +138,4 @@ def _normalise_rope(config: Dict[str, Any]) -> Dict[str, Any]:
     return rope
 
 
-__all__ = ["ModelArgs", "SUPPORTED_MODEL_TYPES", "read_config_file", "check_model_type"]
+__all__ = ["ModelArgs", "SUPPORTED_MODEL_TYPES", "check_model_type"]

@@ -17,7 +17,9 @@ import mlx.core as mx
 
 from . import DEMO_MODEL
 from .attention import STRATEGIES
-from .loader import DTYPES, ModelLoadError, load
+from .checkpoint import ModelLoadError
+from .dtypes import DTYPES
+from .loader import load
 
 DEFAULT_PROMPT = "ROMEO:"
 
@@ -80,15 +82,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     args = build_parser().parse_args(argv)
-    if args.mla_strategy not in STRATEGIES:
-        return fail(f"unknown --mla-strategy {args.mla_strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if args.max_tokens < 1:
         return fail(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
         model, tokenizer = load(args.model or DEMO_MODEL, args.mla_strategy, args.dtype)
-    except (ModelLoadError, ValueError, FileNotFoundError) as e:
+    except ModelLoadError as e:
         return fail(str(e))
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")

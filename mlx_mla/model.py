@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
 
 from .attention import MLAttention, make_strategy
 from .cache import LatentCache
@@ -47,24 +48,18 @@ class DeepseekV2Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         h = self.embed_tokens(inputs)
+        L = h.shape[1]
         if cache is None:
             cache = [None] * len(self.layers)
-        mask = causal_mask(h.shape[1], cache[0].offset if cache[0] is not None else 0)
+        # The cache knows the positions (and, batched, the padding), so it makes the mask,
+        # as in mlx-lm's models; without a cache, plain causal over the L tokens.
+        if cache[0] is not None:
+            mask = cache[0].make_mask(L)
+        else:
+            mask = create_causal_mask(L, 0) if L > 1 else None
         for layer, c in zip(self.layers, cache):
             h = layer(h, mask, c)
         return self.norm(h)
-
-
-def causal_mask(L: int, offset: int) -> Optional[mx.array]:
-    """Bool (L, offset + L): query i (at position offset + i) sees keys 0..offset + i.
-
-    None for a single token, which sees every cached position.
-    """
-    if L == 1:
-        return None
-    rows = mx.arange(offset, offset + L)[:, None]
-    cols = mx.arange(offset + L)[None, :]
-    return cols <= rows
 
 
 class Model(nn.Module):
@@ -76,19 +71,16 @@ class Model(nn.Module):
     ``stream_generate`` drive it like any mlx-lm model.
     """
 
-    def __init__(self, args: ModelArgs, mla_strategy: str = "auto"):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.model_type = args.model_type
         self.model = DeepseekV2Model(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        # Not prepared here: derived weights need the real ones; ``set_mla_strategy``
-        # (called by the loader after loading) prepares.
-        self.mla_strategy = mla_strategy
-        strategy = make_strategy(mla_strategy)
-        for layer in self.layers:
-            layer.self_attn.strategy = strategy
+        # No strategy until the weights are in: some derive weights from them.
+        # ``set_mla_strategy`` chooses one (``mlx_mla.load`` calls it once, after loading).
+        self.mla_strategy = None
 
     def __call__(self, inputs: mx.array, cache: Optional[List[LatentCache]] = None):
         h = self.model(inputs, cache)
@@ -106,18 +98,27 @@ class Model(nn.Module):
 
     def set_mla_strategy(self, name: str) -> None:
         """Switch every layer to MLA strategy ``name`` (naive, absorb-materialized, absorb,
-        auto), building the derived weights it needs and freeing the previous one's.
+        auto): each layer gets its own strategy object, which builds the weights it derives
+        from the layer's; the previous strategy's are freed.
 
         Raises:
             ValueError: unknown name.
         """
-        strategy = make_strategy(name)
-        for layer in self.layers:
+        strategies = [make_strategy(name) for _ in self.layers]
+        for layer, strategy in zip(self.layers, strategies):
             attn = layer.self_attn
-            attn.strategy.release(attn)
+            if attn.strategy is not None:
+                attn.strategy.release()
             strategy.prepare(attn)
             attn.strategy = strategy
         self.mla_strategy = name
+
+    @property
+    def derived_nbytes(self) -> int:
+        """Bytes the current strategy keeps beside the checkpoint's weights, all layers
+        (``absorb-materialized``'s precomputed matrices; 0 for the others)."""
+        return sum(l.self_attn.strategy.derived_nbytes for l in self.layers
+                   if l.self_attn.strategy is not None)
 
     def sanitize(self, weights):
         """Checkpoint tensors (Hugging Face or mlx-lm layout) → this model's names."""

@@ -87,6 +87,10 @@ class RoPE:
     weights, so they must not appear among the parameters a checkpoint is checked against.
     """
 
+    # DeepSeek-V2's pairs are interleaved; a flag rather than a constant so a test can make
+    # one engine wrong on purpose and check that ``compare`` catches it.
+    traditional = True
+
     def __init__(self, dim: int, base: float, rope: Dict[str, Any]):
         self.dim = dim
         # mx.fast.rope takes wavelengths (positions per radian), the inverse of θ_i.
@@ -98,6 +102,6 @@ class RoPE:
         if self.scale != 1.0:
             x = x * self.scale
         return mx.fast.rope(
-            x, self.dim, traditional=True, base=None, scale=1.0, offset=offset,
+            x, self.dim, traditional=self.traditional, base=None, scale=1.0, offset=offset,
             freqs=self._wavelengths,
         )

@@ -13,7 +13,7 @@ Fused layouts (transformers' DeepseekV2Attention, DeepSeek's modeling_deepseek.p
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 
@@ -68,19 +68,48 @@ def _split_rows(weights, src: str, dst_a: str, dst_b: str, groups: int, rows_a: 
         weights[f"{dst_b}.{part}"] = b.reshape(-1, *t.shape[1:])
 
 
-def dense_kv_b(weights, name: str, kv_lora_rank: int) -> mx.array:
-    """kv_b_proj's weight (out, kv_lora_rank) in float32, dequantized if it was quantized."""
+def dense_kv_b(weights, name: str, args: ModelArgs) -> mx.array:
+    """kv_b_proj's weight (out, kv_lora_rank) in float32, dequantized with the bits, group
+    size and mode the folder's ``quantization`` config gives for it, if it is quantized.
+
+    Raises:
+        ValueError: the tensors are quantized but the config says the module is float.
+    """
     w = weights.pop(f"{name}.weight")
     scales = weights.pop(f"{name}.scales", None)
     if scales is None:
         return w.astype(mx.float32)
+    spec = args.quantization_of(name)
+    if spec is None:
+        raise ValueError(
+            f"{name} is stored quantized but config.json's quantization says it is float: "
+            f"the folder is inconsistent; convert it again"
+        )
     biases = weights.pop(f"{name}.biases", None)
-    # Dequantize in float32: with bfloat16 scales MLX would return bfloat16.
-    scales = scales.astype(mx.float32)
+    # Dequantize with float32 scales: with bfloat16 ones MLX would return bfloat16.
+    if mx.issubdtype(scales.dtype, mx.floating):
+        scales = scales.astype(mx.float32)
     biases = biases.astype(mx.float32) if biases is not None else None
-    group_size = kv_lora_rank // scales.shape[-1]
-    bits = w.shape[-1] * 32 // kv_lora_rank
-    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(mx.float32)
+    return mx.dequantize(w, scales, biases, **spec).astype(mx.float32)
+
+
+def split_quantization(quantization: Optional[dict], args: ModelArgs) -> Optional[dict]:
+    """The folder's ``quantization`` config with an entry for each split module (w_uq, w_qr,
+    w_dkv, w_kr: the spec of the fused module it is cut from, or false), so that loading
+    reads their bits, group size and mode from the config rather than from tensor shapes.
+    None for a float folder."""
+    if not quantization:
+        return quantization
+    out = dict(quantization)
+    q_src = "q_proj" if args.q_lora_rank is None else "q_b_proj"
+    splits = {q_src: ("w_uq", "w_qr"), "kv_a_proj_with_mqa": ("w_dkv", "w_kr")}
+    for layer in range(args.num_hidden_layers):
+        prefix = f"model.layers.{layer}.self_attn"
+        for fused, parts in splits.items():
+            spec = args.quantization_of(f"{prefix}.{fused}")
+            for part in parts:
+                out[f"{prefix}.{part}"] = spec if spec is not None else False
+    return out
 
 
 def _split_attention(weights, prefix: str, args: ModelArgs) -> None:
@@ -92,7 +121,7 @@ def _split_attention(weights, prefix: str, args: ModelArgs) -> None:
         1, args.kv_lora_rank,
     )
     if f"{prefix}.kv_b_proj.weight" in weights:
-        kv_b = dense_kv_b(weights, f"{prefix}.kv_b_proj", args.kv_lora_rank)
+        kv_b = dense_kv_b(weights, f"{prefix}.kv_b_proj", args)
         kv_b = kv_b.reshape(H, args.qk_nope_head_dim + args.v_head_dim, args.kv_lora_rank)
         weights[f"{prefix}.w_uk"] = kv_b[:, : args.qk_nope_head_dim]  # (H, dn, r)
         weights[f"{prefix}.w_uv"] = kv_b[:, args.qk_nope_head_dim :]  # (H, dv, r)

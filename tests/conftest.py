@@ -1,31 +1,20 @@
-"""Shared fixtures: paths to the shared checkpoint and corpus."""
+"""Session fixtures: the Hub-layout fixture checkpoint and the held-out text excerpt,
+rebuilt from what the repository holds (``testdata``)."""
 
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-FIXTURE = SHARED / "fixtures" / "tiny-dsv2-lite-shakespeare"
-CORPUS = SHARED / "corpus" / "shakespeare-heldout.txt"
+from testdata import CORPUS, make_hub_fixture
 
 
 @pytest.fixture(scope="session")
-def fixture_dir() -> Path:
-    assert FIXTURE.is_dir(), f"shared fixture missing at {FIXTURE}"
-    return FIXTURE
+def fixture_dir(tmp_path_factory) -> Path:
+    """tiny-dsv2-lite-shakespeare in Hub layout, read-only (see ``testdata``)."""
+    return make_hub_fixture(tmp_path_factory.mktemp("fixture") / "tiny-dsv2-lite-shakespeare")
 
 
 @pytest.fixture(scope="session")
-def corpus_path() -> Path:
-    return CORPUS
-
-
-def load_benchmark(name: str):
-    """Import ``benchmarks/<name>.py`` as a module (benchmarks/ is scripts, not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def corpus_text() -> str:
+    """16 KB of held-out Shakespeare (never trained on)."""
+    return CORPUS.read_text()

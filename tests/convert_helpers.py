@@ -1,20 +1,15 @@
-"""Shared helpers for the converter's tests (kept out of conftest.py, which the model owns)."""
+"""Shared helpers for the converter's tests."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_map
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
-FIXTURE = SHARED / "fixtures" / "tiny-dsv2-lite-shakespeare"
-# "ROMEO:" plus a few ids: enough positions to exercise attention and the MoE routing.
-TOKENS = [0, 836, 27, 10, 79, 11, 300, 45, 1200, 7, 99, 512]
+from mlx_mla.dtypes import cast_floating
+from testdata import TOKENS
 
 
 def run_cli(*argv) -> int:
@@ -33,14 +28,6 @@ def tree_digest(folder: Path) -> dict:
     }
 
 
-def copy_fixture(dst: Path) -> Path:
-    """A writable copy of the fixture (the shared one is read-only)."""
-    shutil.copytree(FIXTURE, dst)
-    for p in dst.iterdir():
-        p.chmod(0o644)
-    return dst
-
-
 def load_tensors(folder: Path) -> dict:
     out = {}
     for f in sorted(Path(folder).glob("model*.safetensors")):
@@ -57,13 +44,7 @@ def config(folder: Path) -> dict:
 
 
 def to_float32(model):
-    model.update(
-        tree_map(
-            lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
-            model.parameters(),
-        )
-    )
-    return model
+    return cast_floating(model, mx.float32)
 
 
 def logits(model) -> mx.array:

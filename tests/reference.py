@@ -1,6 +1,6 @@
 """References computed in the tests: transformers' DeepseekV2ForCausalLM (PyTorch, CPU,
-float32), on the shared fixture or on random-initialised tiny configs saved as Hub-layout
-checkpoints."""
+float32), on the fixture checkpoint or on random-initialised tiny configs saved as
+Hub-layout checkpoints."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-from conftest import CORPUS, FIXTURE
+from mlx_mla import DEMO_MODEL
+from testdata import CORPUS
 
 YARN = {
     "type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64,
@@ -30,15 +31,16 @@ TINY = dict(
 
 
 def fixture_tokens(n: int = 48) -> list[int]:
-    """The first n tokens of the held-out corpus, as the fixture's tokenizer encodes it."""
+    """The first n tokens of the held-out text, as the fixture's tokenizer encodes it."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(FIXTURE)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL)
     return tok(CORPUS.read_text()[: 8 * n])["input_ids"][:n]
 
 
-def load_fixture_reference() -> DeepseekV2ForCausalLM:
-    return DeepseekV2ForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32).eval()
+def load_reference(folder: Path) -> DeepseekV2ForCausalLM:
+    """transformers' model of a Hub-layout folder, in float32."""
+    return DeepseekV2ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def norm_topk_prob_router(model: DeepseekV2ForCausalLM) -> None:
@@ -94,7 +96,7 @@ def make_checkpoint(folder: Path, seed: int = 0, rope_key: str = "rope_scaling",
 
 def _copy_tokenizer(folder: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((FIXTURE / name).read_bytes())
+        (folder / name).write_bytes((DEMO_MODEL / name).read_bytes())
 
 
 def hf_logits(model: DeepseekV2ForCausalLM, tokens: list[int]) -> np.ndarray:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -11,8 +10,9 @@ import pytest
 
 import mlx_mla
 from mlx_mla.generate import main
+from testdata import writable_copy
 
-# The fixture README's known float32 greedy continuation of "ROMEO:".
+# The fixture's known float32 greedy continuation of "ROMEO:" (shared/fixtures/README.md).
 KNOWN = "\nO, I am in brief with a tale language.\n\nBENVOLIO:\nO, I am cried.\n\nMERCUTIO:"
 
 
@@ -46,14 +46,6 @@ def run_main(capsys, *argv):
     return rc, captured.err.strip().splitlines()
 
 
-def writable_copy(fixture_dir, tmp_path):
-    dst = tmp_path / "model"
-    shutil.copytree(fixture_dir, dst)
-    for p in dst.iterdir():
-        p.chmod(0o644)
-    return dst
-
-
 @pytest.mark.parametrize(
     "case, expected",
     [
@@ -62,13 +54,13 @@ def writable_copy(fixture_dir, tmp_path):
         ("no_weights", "has no model*.safetensors"),
         ("llama", "model_type 'llama' is not supported"),
         ("missing_shard", "missing weight shard"),
-        ("strategy", "unknown --mla-strategy 'fastest'"),
+        ("strategy", "unknown MLA strategy 'fastest'"),
         ("too_long", "exceeds the model's context of 2048 tokens"),
         ("dtype", "unknown dtype 'float8'"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(capsys, fixture_dir, tmp_path, case, expected):
-    model = writable_copy(fixture_dir, tmp_path)
+    model = writable_copy(fixture_dir, tmp_path / "model")
     argv = ["--model", model, "--max-tokens", "2"]
     if case == "missing":
         argv[1] = tmp_path / "nowhere"
@@ -114,7 +106,7 @@ def test_hub_repo_id_goes_through_snapshot_download(monkeypatch, fixture_dir):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     model, _ = mlx_mla.load("deepseek-ai/DeepSeek-V2-Lite", revision="main")
     assert calls and calls[0][:2] == ("deepseek-ai/DeepSeek-V2-Lite", "main")
-    assert "*.safetensors" in calls[0][2] and "*.json" in calls[0][2]
+    assert "model*.safetensors" in calls[0][2] and "*.json" in calls[0][2]
     assert model.args.num_hidden_layers == 4
 
 

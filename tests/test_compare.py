@@ -1,4 +1,4 @@
-"""``python -m mlx_mla.compare`` against stock mlx-lm on the shared fixture.
+"""``python -m mlx_mla.compare`` against stock mlx-lm on the fixture checkpoint.
 
 Agreement is checked on the real checkpoint; disagreement by making only *our* side wrong
 (RoPE layout, softmax scale): perturbing the weights would not do, since both engines would
@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 
-import mlx.core as mx
 import pytest
 
 from mlx_mla import STRATEGIES, compare
@@ -46,15 +45,8 @@ def test_fixture_agrees_with_mlx_lm_for_every_strategy(capsys, fixture_dir, tmp_
     assert ref["cache_bytes_per_token"] == 4 * 8 * (48 + 32) * 4
 
 
-def _non_interleaved_rope(self, x, offset=0):
-    if self.scale != 1.0:
-        x = x * self.scale
-    return mx.fast.rope(x, self.dim, traditional=False, base=None, scale=1.0, offset=offset,
-                        freqs=self._wavelengths)
-
-
 def test_wrong_rope_layout_on_our_side_fails_and_names_position(capsys, fixture_dir, monkeypatch):
-    monkeypatch.setattr(rope_mod.RoPE, "__call__", _non_interleaved_rope)
+    monkeypatch.setattr(rope_mod.RoPE, "traditional", False)  # half-split pairs, Llama's layout
     rc, out = run(capsys, fixture_dir, "--mla-strategy", "auto", "naive")
     assert rc == 1, out
     assert "result: FAIL (2 of 2" in out

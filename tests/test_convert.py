@@ -1,4 +1,4 @@
-"""Converting the shared fixture: format, loading with mlx-lm and mlx_mla, shards, bits."""
+"""Converting the fixture checkpoint: format, loading with mlx-lm and mlx_mla, shards, bits."""
 
 from __future__ import annotations
 
@@ -9,27 +9,26 @@ import numpy as np
 import pytest
 
 from convert import ConvertOptions, convert
-from convert_helpers import (
-    FIXTURE, config, copy_fixture, index, load_tensors, logits, run_cli, to_float32, tree_digest,
-)
+from convert_helpers import config, index, load_tensors, logits, run_cli, to_float32, tree_digest
+from testdata import writable_copy
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(tmp_path_factory, fixture_dir):
     """The fixture converted with `-q` (default recipe), with the source's digest before."""
     out = tmp_path_factory.mktemp("conv") / "q4"
-    before = tree_digest(FIXTURE)
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q") == 0
-    assert tree_digest(FIXTURE) == before, "the source must never be modified"
+    before = tree_digest(fixture_dir)
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q") == 0
+    assert tree_digest(fixture_dir) == before, "the source must never be modified"
     return out
 
 
 @pytest.fixture(scope="module")
-def mlx_lm_converted(tmp_path_factory):
+def mlx_lm_converted(tmp_path_factory, fixture_dir):
     from mlx_lm.convert import convert as mlx_lm_convert
 
     out = tmp_path_factory.mktemp("mlxlm") / "q4"
-    mlx_lm_convert(str(FIXTURE), str(out), quantize=True)
+    mlx_lm_convert(str(fixture_dir), str(out), quantize=True)
     return out
 
 
@@ -100,9 +99,9 @@ def test_mlx_mla_loads_mlx_lm_convert_output(mlx_lm_converted):
     assert mx.abs(a - b).max().item() < 1e-4
 
 
-def test_uniform_is_byte_identical_to_mlx_lm(tmp_path, mlx_lm_converted):
+def test_uniform_is_byte_identical_to_mlx_lm(tmp_path, mlx_lm_converted, fixture_dir):
     out = tmp_path / "u"
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q", "--quant-recipe", "uniform") == 0
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q", "--quant-recipe", "uniform") == 0
     ours, theirs = load_tensors(out), load_tensors(mlx_lm_converted)
     assert ours.keys() == theirs.keys()
     for k in ours:
@@ -111,9 +110,9 @@ def test_uniform_is_byte_identical_to_mlx_lm(tmp_path, mlx_lm_converted):
     assert index(out) == index(mlx_lm_converted)
 
 
-def test_multi_shard_index(tmp_path, converted):
+def test_multi_shard_index(tmp_path, converted, fixture_dir):
     out = tmp_path / "sharded"
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q", "--shard-size", "1MB") == 0
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q", "--shard-size", "1MB") == 0
     idx = index(out)
     files = sorted(p.name for p in out.glob("*.safetensors"))
     n = len(files)
@@ -134,9 +133,9 @@ def test_multi_shard_index(tmp_path, converted):
     assert all((out / f).stat().st_size <= (1 << 20) + 4096 for f in files[:-1] if len(mx.load(str(out / f))) > 1)
 
 
-def test_experts_split_across_source_shards(tmp_path, converted):
+def test_experts_split_across_source_shards(tmp_path, converted, fixture_dir):
     """Re-shard the source so a layer's experts straddle two files: same output."""
-    src = copy_fixture(tmp_path / "src")
+    src = writable_copy(fixture_dir, tmp_path / "src")
     weights = load_tensors(src)
     for f in src.glob("model*.safetensors"):
         f.unlink()
@@ -156,15 +155,15 @@ def test_experts_split_across_source_shards(tmp_path, converted):
 
 
 @pytest.mark.parametrize("bits,group", [(2, 32), (3, 64), (5, 128), (6, 64), (8, 32)])
-def test_bits_and_group_sizes_round_trip(tmp_path, bits, group):
+def test_bits_and_group_sizes_round_trip(tmp_path, bits, group, fixture_dir):
     import mlx_lm
 
     out = tmp_path / f"q{bits}g{group}"
-    report = convert(ConvertOptions(str(FIXTURE), str(out), quantize=True, q_bits=bits, q_group_size=group,
+    report = convert(ConvertOptions(str(fixture_dir), str(out), quantize=True, q_bits=bits, q_group_size=group,
                                     quant_recipe="uniform", progress=False))
     q = config(out)["quantization"]
     assert (q["bits"], q["group_size"]) == (bits, group)
-    src, dst = load_tensors(FIXTURE), load_tensors(out)
+    src, dst = load_tensors(fixture_dir), load_tensors(out)
     w = src["model.layers.0.self_attn.o_proj.weight"]
     ref = mx.quantize(w, group_size=group, bits=bits)
     got = [dst[f"model.layers.0.self_attn.o_proj.{p}"] for p in ("weight", "scales", "biases")]
@@ -179,14 +178,14 @@ def test_bits_and_group_sizes_round_trip(tmp_path, bits, group):
     assert model.model.layers[0].self_attn.o_proj.bits == bits
 
 
-def test_dequantize_restores_float_weights(tmp_path, converted):
+def test_dequantize_restores_float_weights(tmp_path, converted, fixture_dir):
     import mlx_lm
 
     out = tmp_path / "deq"
     assert run_cli("--hf-path", converted, "--mlx-path", out, "-d") == 0
     cfg = config(out)
     assert "quantization" not in cfg and "quantization_config" not in cfg
-    src, dst = load_tensors(FIXTURE), load_tensors(out)
+    src, dst = load_tensors(fixture_dir), load_tensors(out)
     assert not any(k.endswith(".scales") for k in dst)
     w = src["model.layers.0.self_attn.o_proj.weight"].astype(mx.float32)
     d = dst["model.layers.0.self_attn.o_proj.weight"].astype(mx.float32)
@@ -201,14 +200,14 @@ def test_dequantize_restores_float_weights(tmp_path, converted):
     mlx_lm.load(str(out))
 
 
-def test_force_replaces_and_dtype(tmp_path):
+def test_force_replaces_and_dtype(tmp_path, fixture_dir):
     out = tmp_path / "f"
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out) == 0
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out) == 0
     assert load_tensors(out)["lm_head.weight"].dtype == mx.bfloat16
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out, "--force", "--dtype", "float32") == 0
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out, "--force", "--dtype", "float32") == 0
     t = load_tensors(out)
     assert t["lm_head.weight"].dtype == mx.float32
     np.testing.assert_array_equal(
-        np.array(t["model.norm.weight"]), np.array(load_tensors(FIXTURE)["model.norm.weight"].astype(mx.float32))
+        np.array(t["model.norm.weight"]), np.array(load_tensors(fixture_dir)["model.norm.weight"].astype(mx.float32))
     )
     assert [p.name for p in tmp_path.iterdir()] == ["f"]

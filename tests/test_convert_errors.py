@@ -7,7 +7,8 @@ import json
 import pytest
 
 import convert.writer as writer_mod
-from convert_helpers import FIXTURE, copy_fixture, leftovers, load_tensors, run_cli, tree_digest
+from convert_helpers import leftovers, load_tensors, run_cli, tree_digest
+from testdata import writable_copy
 
 
 def _expect_error(capsys, tmp_path, src, *extra, match: str):
@@ -24,28 +25,28 @@ def _expect_error(capsys, tmp_path, src, *extra, match: str):
     return err[-1]
 
 
-def test_missing_shard(tmp_path, capsys):
-    src = copy_fixture(tmp_path / "src")
+def test_missing_shard(tmp_path, capsys, fixture_dir):
+    src = writable_copy(fixture_dir, tmp_path / "src")
     (src / "model-00003-of-00004.safetensors").unlink()
-    _expect_error(capsys, tmp_path, src, "-q", match="model-00003-of-00004.safetensors is listed")
+    _expect_error(capsys, tmp_path, src, "-q", match="missing weight shard model-00003-of-00004.safetensors")
 
 
-def test_truncated_shard(tmp_path, capsys):
-    src = copy_fixture(tmp_path / "src")
+def test_truncated_shard(tmp_path, capsys, fixture_dir):
+    src = writable_copy(fixture_dir, tmp_path / "src")
     f = src / "model-00002-of-00004.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
     _expect_error(capsys, tmp_path, src, "-q", match="truncated")
 
 
-def test_garbage_shard(tmp_path, capsys):
-    src = copy_fixture(tmp_path / "src")
+def test_garbage_shard(tmp_path, capsys, fixture_dir):
+    src = writable_copy(fixture_dir, tmp_path / "src")
     (src / "model-00004-of-00004.safetensors").write_bytes(b"\xff" * 64)
     _expect_error(capsys, tmp_path, src, match="model-00004-of-00004.safetensors")
 
 
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
-def test_unsupported_model_type(tmp_path, capsys, model_type):
-    src = copy_fixture(tmp_path / "src")
+def test_unsupported_model_type(tmp_path, capsys, model_type, fixture_dir):
+    src = writable_copy(fixture_dir, tmp_path / "src")
     cfg = json.loads((src / "config.json").read_text())
     cfg["model_type"] = model_type
     (src / "config.json").write_text(json.dumps(cfg))
@@ -59,26 +60,26 @@ def test_unsupported_model_type(tmp_path, capsys, model_type):
     ("--quant-recipe", "fancy", "--quant-recipe fancy"),
     ("--dtype", "int8", "--dtype int8"),
 ])
-def test_unsupported_options(tmp_path, capsys, flag, value, match):
-    _expect_error(capsys, tmp_path, FIXTURE, "-q", flag, value, match=match)
+def test_unsupported_options(tmp_path, capsys, flag, value, match, fixture_dir):
+    _expect_error(capsys, tmp_path, fixture_dir, "-q", flag, value, match=match)
 
 
-def test_quantize_and_dequantize_together(tmp_path, capsys):
-    _expect_error(capsys, tmp_path, FIXTURE, "-q", "-d", match="not both")
+def test_quantize_and_dequantize_together(tmp_path, capsys, fixture_dir):
+    _expect_error(capsys, tmp_path, fixture_dir, "-q", "-d", match="not both")
 
 
-def test_existing_target_without_force(tmp_path, capsys):
+def test_existing_target_without_force(tmp_path, capsys, fixture_dir):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    rc = run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q")
+    rc = run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0 and "already exists" in err[-1] and "--force" in err[-1]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
 
-def test_target_inside_source_is_refused(tmp_path, capsys):
-    src = copy_fixture(tmp_path / "src")
+def test_target_inside_source_is_refused(tmp_path, capsys, fixture_dir):
+    src = writable_copy(fixture_dir, tmp_path / "src")
     before = tree_digest(src)
     assert run_cli("--hf-path", src, "--mlx-path", src, "--force") != 0
     assert "overlaps the source" in capsys.readouterr().err
@@ -86,11 +87,11 @@ def test_target_inside_source_is_refused(tmp_path, capsys):
 
 
 def test_missing_source(tmp_path, capsys):
-    _expect_error(capsys, tmp_path, tmp_path / "nope" / "x" / "y", match="not an existing folder")
+    _expect_error(capsys, tmp_path, tmp_path / "nope" / "x" / "y", match="does not exist")
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
-def test_interrupted_run_leaves_nothing(tmp_path, capsys, monkeypatch, exc):
+def test_interrupted_run_leaves_nothing(tmp_path, capsys, monkeypatch, exc, fixture_dir):
     """An exception or Ctrl-C mid-write: no target, no staging folder, created parents gone."""
     calls = []
     real = writer_mod.mx.save_safetensors
@@ -103,23 +104,23 @@ def test_interrupted_run_leaves_nothing(tmp_path, capsys, monkeypatch, exc):
 
     monkeypatch.setattr(writer_mod.mx, "save_safetensors", flaky)
     out = tmp_path / "new" / "out"
-    rc = run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q", "--shard-size", "1MB")
+    rc = run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q", "--shard-size", "1MB")
     assert rc != 0 and len(calls) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: ")
     assert not (tmp_path / "new").exists()
 
 
-def test_interrupted_force_keeps_old_target(tmp_path, monkeypatch):
+def test_interrupted_force_keeps_old_target(tmp_path, monkeypatch, fixture_dir):
     out = tmp_path / "out"
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out) == 0
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out) == 0
     before = tree_digest(out)
 
     def boom(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(writer_mod.mx, "save_safetensors", boom)
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q", "--force") == 130
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q", "--force") == 130
     assert tree_digest(out) == before
     assert leftovers(tmp_path, "out") == []
     assert "lm_head.scales" not in load_tensors(out)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 
 
-from conftest import load_benchmark
-
-bench = load_benchmark("convert_memory")
+import benchmarks.convert_memory as bench
 
 TINY = {**bench.V2_LITE, "vocab_size": 2048, "hidden_size": 64, "intermediate_size": 128,
         "moe_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,

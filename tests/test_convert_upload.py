@@ -1,12 +1,12 @@
-"""Upload and Hub download, faked at their boundaries (HfApi, snapshot_download)."""
+"""Upload and Hub download, faked at their boundaries (HfApi, huggingface_hub.snapshot_download)."""
 
 from __future__ import annotations
 
 import pytest
 
-import convert.source as source_mod
+import huggingface_hub
 import convert.upload as upload_mod
-from convert_helpers import FIXTURE, load_tensors, run_cli
+from convert_helpers import load_tensors, run_cli
 
 
 class FakeApi:
@@ -36,9 +36,9 @@ def fake_api(monkeypatch):
     return FakeApi
 
 
-def test_upload_calls(tmp_path, fake_api, capsys):
+def test_upload_calls(tmp_path, fake_api, capsys, fixture_dir):
     out = tmp_path / "out"
-    assert run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q", "--upload-repo", "me/tiny-mlx") == 0
+    assert run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q", "--upload-repo", "me/tiny-mlx") == 0
     (name, repo, kw), (name2, kw2) = fake_api.calls
     assert (name, repo) == ("create_repo", "me/tiny-mlx")
     assert kw["exist_ok"] is True and kw.get("repo_type", "model") == "model"
@@ -69,10 +69,10 @@ def _http_error():
     ("create_repo", _http_error),
     ("upload_folder", lambda: ConnectionError("connection reset by peer")),
 ])
-def test_upload_failure_is_one_line_and_keeps_output(tmp_path, fake_api, capsys, method, make_exc):
+def test_upload_failure_is_one_line_and_keeps_output(tmp_path, fake_api, capsys, method, make_exc, fixture_dir):
     fake_api.fail[method] = make_exc()
     out = tmp_path / "out"
-    rc = run_cli("--hf-path", FIXTURE, "--mlx-path", out, "-q", "--upload-repo", "me/tiny-mlx")
+    rc = run_cli("--hf-path", fixture_dir, "--mlx-path", out, "-q", "--upload-repo", "me/tiny-mlx")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc != 0
     assert len([line for line in err if line.startswith("error:")]) == 1
@@ -81,14 +81,14 @@ def test_upload_failure_is_one_line_and_keeps_output(tmp_path, fake_api, capsys,
     assert load_tensors(out)  # the local output stays, complete
 
 
-def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch):
+def test_hub_id_goes_through_snapshot_download(tmp_path, monkeypatch, fixture_dir):
     seen = []
 
     def fake_download(repo_id, **kwargs):
         seen.append((repo_id, kwargs))
-        return str(FIXTURE)
+        return str(fixture_dir)
 
-    monkeypatch.setattr(source_mod, "snapshot_download", fake_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
     out = tmp_path / "out"
     assert run_cli("--hf-path", "deepseek-ai/DeepSeek-V2-Lite", "--mlx-path", out, "-q") == 0
     assert seen[0][0] == "deepseek-ai/DeepSeek-V2-Lite"
@@ -100,7 +100,7 @@ def test_hub_download_failure(tmp_path, monkeypatch, capsys):
     def offline(repo_id, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co'\nmore detail")
 
-    monkeypatch.setattr(source_mod, "snapshot_download", offline)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     out = tmp_path / "out"
     assert run_cli("--hf-path", "deepseek-ai/DeepSeek-V2-Lite", "--mlx-path", out, "-q") != 0
     err = capsys.readouterr().err.strip().splitlines()

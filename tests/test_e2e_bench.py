@@ -1,4 +1,4 @@
-"""benchmarks/e2e_decode.py at a tiny size: the engines load the same weights and agree, and
+"""benchmarks/e2e_decode.py at a tiny size: the engines load the same folder and agree, and
 the measurement functions return well-formed results (shapes and sanity, not timings)."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import load_benchmark
-
-bench = load_benchmark("e2e_decode")
+import benchmarks.e2e_decode as bench
 
 TINY = {**bench.V2_LITE, "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
         "moe_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -22,25 +20,33 @@ TINY = {**bench.V2_LITE, "vocab_size": 256, "hidden_size": 64, "intermediate_siz
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return bench.random_quantized_weights(TINY)
+def folders(tmp_path_factory):
+    return bench.write_folders(TINY, tmp_path_factory.mktemp("e2e"))
 
 
-def test_engines_read_the_same_weights_and_agree(weights):
+def test_engines_read_the_same_folder_and_agree(folders):
     tokens = mx.array([[3, 17, 99, 5, 42, 7]])
-    v2 = bench.build("mlx-lm v2", TINY, weights, mx.float32)
-    ref = v2(tokens)
+    ref = bench.load_engine("mlx-lm v2", folders, mx.float32)(tokens)
     for engine in ("mlx_mla auto", "mlx_mla absorb", "mlx_mla naive"):
-        ours = bench.build(engine, TINY, weights, mx.float32)(tokens)
+        ours = bench.load_engine(engine, folders, mx.float32)(tokens)
         assert mx.abs(ours - ref).max().item() < 1e-3, engine
     # v3: same attention math (its kv_b is re-quantized, router differs) -> only close-ish
-    v3 = bench.build("mlx-lm v3", TINY, weights, mx.float32)(tokens)
+    v3 = bench.load_engine("mlx-lm v3", folders, mx.float32)(tokens)
     assert v3.shape == ref.shape and bool(mx.isfinite(v3).all())
 
 
-def test_run_budget_and_outputs(weights, tmp_path):
+def test_lazy_sizing_equals_a_loaded_model(tmp_path):
+    """Weight bytes from shapes alone equal the bytes of the same model loaded from disk."""
+    big = bench.make_config(5, TINY)
+    loaded = bench.write_folders(big, tmp_path)
+    for engine in ("mlx_mla auto", "mlx-lm v2", "mlx-lm v3"):
+        model = bench.load_engine(engine, loaded, mx.float32)
+        assert bench.full_weight_bytes(engine, TINY, mx.float32, layers=5) == bench.weight_bytes(model), engine
+
+
+def test_run_budget_and_outputs(folders, tmp_path):
     rows = bench.run(TINY, contexts=(8, 40), prefill_tokens=12, decode_steps=2,
-                     weights=weights, log=lambda *_: None)
+                     folders=folders, log=lambda *_: None)
     plans = bench.plans()
     assert len(rows) == 2 * len(plans)
     for r in rows:
@@ -62,12 +68,8 @@ def test_run_budget_and_outputs(weights, tmp_path):
         assert b["layers"] == 27 and b["max_context"] > 0
     b = {(x["comparison"], x["engine"]): x for x in budget}
     assert b[(f32, "mlx_mla auto")]["max_context"] > b[(f32, "mlx-lm v2")]["max_context"]
-    # lazy 27-layer sizing equals the bytes of a built 27-layer model
-    assert bench.full_weight_bytes("mlx-lm v2", TINY, mx.float32) == bench.weight_bytes(
-        bench.build("mlx-lm v2", bench.make_config(27, TINY),
-                    bench.random_quantized_weights(bench.make_config(27, TINY)), mx.float32))
 
-    checks = bench.verify_budget(rows, TINY, weights, 2**20, log=lambda *_: None)
+    checks = bench.verify_budget(rows, TINY, folders, 2**20, log=lambda *_: None)
     assert [c["engine"] for c in checks] == ["mlx_mla auto", "mlx-lm v2"]
     for c in checks:
         assert c["context"] > 0 and np.isfinite(c["relative_error"])

@@ -1,4 +1,4 @@
-"""The model against transformers (float32) and mlx-lm, on the shared fixture and on random
+"""The model against transformers (float32) and mlx-lm, on the fixture checkpoint and on random
 tiny configs; cache behaviour. Tolerances: 1e-4 on logits (both sides float32; the observed
 gap is ~3e-6, so 1e-4 leaves room for summation order and nothing else)."""
 
@@ -10,7 +10,7 @@ import pytest
 
 import mlx_mla
 from reference import (
-    fixture_tokens, hf_greedy, hf_logits, load_fixture_reference, make_checkpoint,
+    fixture_tokens, hf_greedy, hf_logits, load_reference, make_checkpoint,
 )
 
 TOL = 1e-4
@@ -24,7 +24,7 @@ def ours(model, tokens, cache=None) -> np.ndarray:
 @pytest.fixture(scope="module")
 def fixture_pair(fixture_dir):
     model, tokenizer = mlx_mla.load(fixture_dir, mla_strategy="naive", dtype="float32")
-    return model, tokenizer, load_fixture_reference()
+    return model, tokenizer, load_reference(fixture_dir)
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,8 @@ class MLAttention(nn.Module):
             strategies multiply every query and every output by them, so 4-bit error there
             reaches every attention score.
         o_proj: Linear H·v_head_dim → hidden
-    ``strategy`` is a plain object (not a parameter) set by ``Model.set_mla_strategy``.
+    ``strategy`` is this layer's own ``Strategy`` object (not a parameter: whatever it
+    derives stays out of the checkpoint's weights), set by ``Model.set_mla_strategy``.
     """
 
     def __init__(self, args: ModelArgs):
@@ -69,8 +70,9 @@ class MLAttention(nn.Module):
         self.rope = RoPE(args.qk_rope_head_dim, args.rope_theta, args.rope)
         self.strategy = None
 
-    def q_latent_input(self, x: mx.array) -> mx.array:
-        """c_q: x itself, or q_a_layernorm(q_a_proj(x)) when q_lora_rank is set. (B, L, ·)"""
+    def compressed_query(self, x: mx.array) -> mx.array:
+        """c_q (DeepSeek-V2 paper, section 2.1.3): q_a_layernorm(q_a_proj(x)) when
+        q_lora_rank is set, else x itself. (B, L, hidden) → (B, L, q_in)."""
         if self.q_lora_rank is None:
             return x
         return self.q_a_layernorm(self.q_a_proj(x))
@@ -81,12 +83,22 @@ class MLAttention(nn.Module):
         mask: Optional[mx.array] = None,
         cache: Optional[LatentCache] = None,
     ) -> mx.array:
-        """x: (B, L, hidden); mask: bool (L, offset + L), True = attend, or None → (B, L, hidden)."""
+        """x: (B, L, hidden); mask: bool broadcastable to (B, 1, L, offset + L), True =
+        attend, or None (attend to every position) → (B, L, hidden).
+
+        Raises:
+            RuntimeError: no strategy is set (``Model.set_mla_strategy`` sets one).
+        """
+        if self.strategy is None:
+            raise RuntimeError(
+                "no MLA strategy is set: call model.set_mla_strategy(name) first "
+                "(mlx_mla.load does)"
+            )
         B, L, _ = x.shape
         H = self.num_heads
         offset = cache.offset if cache is not None else 0
 
-        c_q = self.q_latent_input(x)
+        c_q = self.compressed_query(x)
         q_pe = self.w_qr(c_q).reshape(B, L, H, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
         q_pe = self.rope(q_pe, offset)  # (B, H, L, dr)
         c_kv = self.kv_a_layernorm(self.w_dkv(x))  # (B, L, r)

@@ -5,22 +5,15 @@ MLX backend, so every layer of one forward call makes the same choice. Phase: a 
 L = 1 is a decode step, any other a prefill chunk. Each phase has rules
 [(minimum S, strategy)]; the last rule whose minimum is ≤ S wins.
 
-``CROSSOVER_TABLES["cpu"]`` is what ``benchmarks/mla_strategies.py`` measured (its
-``crossover_table``; results in ``benchmarks/results/mla_strategies.csv``) at
-DeepSeek-V2-Lite's shape on a 2-core x86 CPU, MLX CPU build, float32: ``absorb`` is the
-fastest decode step at every measured context (512 to 16K: it does 1/120 of naive's
-per-position work and 1/2.7 of ``absorb-materialized``'s fixed work), ``naive`` the fastest
-2K-token prefill chunk (it decompresses K/V once for 2K queries, then attends with
-2·H·(dn + dr + dv) = 10.2K FLOPs per query-position pair against the absorbed 34.8K).
-Analytically (``mlx_mla.attention.costs``) naive stays the cheaper prefill while
-L ≳ 170 new tokens per chunk at V2-Lite's shape; shorter chunks over a long cache (e.g.
-speculative verification) would favour absorb, which this two-phase table does not model.
-
-Metal and CUDA cannot be measured on the machine this project is benchmarked on; they,
-and any backend without a table, use ``DEFAULT_TABLE``, an analytic default: naive for
-prefill chunks, absorb for decode (a decode step there is bound by memory bandwidth, and
-absorb reads the 576-value latent per position where naive writes and reads back
-H·(dn + dr + dv) = 5,120 decompressed values).
+Why a table and not an ``if``: which strategy is fastest depends on the backend (and, on the
+CPU, on the BLAS under MLX), and measured crossovers differ between them, so each backend
+gets the table ``benchmarks/mla_strategies.py`` measured for it (its ``crossover_table``;
+results in ``benchmarks/results/``). Backends without a table (Metal and CUDA, not measured
+yet) use ``DEFAULT_TABLE``: naive for prefill chunks (it decompresses K/V once for the whole
+chunk, then attends with 2·H·(dn + dr + dv) FLOPs per query-position pair against the
+absorbed strategies' 2·H·(2r + dr)), absorb for decode (it reads the 576-value latent per
+position where naive writes and reads back H·(dn + dr + dv) = 5,120 decompressed values).
+``mlx_mla.attention.costs`` has the formulas.
 """
 
 from __future__ import annotations
@@ -30,7 +23,8 @@ from typing import Dict, List, Tuple
 import mlx.core as mx
 
 from .absorb import Absorb
-from .materialized import Materialized
+from .absorb_materialized import AbsorbMaterialized
+from .base import Strategy
 from .naive import Naive
 
 # phase -> [(minimum S, strategy name)], ascending; the last rule whose minimum S ≤ S wins.
@@ -44,6 +38,8 @@ CROSSOVER_TABLES: Dict[str, Table] = {
     "cpu": {"prefill": [(0, "naive")], "decode": [(0, "absorb")]},
 }
 
+_CANDIDATES = {s.name: s for s in (Naive, Absorb, AbsorbMaterialized)}
+
 
 def backend_name() -> str:
     """'metal', 'cuda' or 'cpu': where MLX's default device runs."""
@@ -54,32 +50,41 @@ def backend_name() -> str:
     return "cuda"
 
 
-class Auto:
+def choose(table: Table, L: int, S: int) -> str:
+    """The strategy ``table`` names for a call with L new tokens and S attended positions."""
+    rules = table["decode" if L == 1 else "prefill"]
+    name = rules[0][1]
+    for min_s, candidate in rules:
+        if S >= min_s:
+            name = candidate
+    return name
+
+
+class Auto(Strategy):
     """Dispatches each call to the strategy its crossover table names for (phase, S)."""
 
     name = "auto"
 
     def __init__(self, table: Table | None = None):
         self.table = table or CROSSOVER_TABLES.get(backend_name(), DEFAULT_TABLE)
-        self.strategies = {s.name: s for s in (Naive(), Absorb(), Materialized())}
-        self.used = {n for rules in self.table.values() for _, n in rules}
+        used = {n for rules in self.table.values() for _, n in rules}
+        self.strategies = {n: _CANDIDATES[n]() for n in sorted(used)}
 
     def choose(self, L: int, S: int) -> str:
         """Strategy name for a call with L new tokens and S attended positions."""
-        rules = self.table["decode" if L == 1 else "prefill"]
-        name = rules[0][1]
-        for min_s, candidate in rules:
-            if S >= min_s:
-                name = candidate
-        return name
+        return choose(self.table, L, S)
 
     def prepare(self, attn) -> None:
-        for n in self.used:
-            self.strategies[n].prepare(attn)
+        for s in self.strategies.values():
+            s.prepare(attn)
 
-    def release(self, attn) -> None:
-        for n in self.used:
-            self.strategies[n].release(attn)
+    def release(self) -> None:
+        for s in self.strategies.values():
+            s.release()
+
+    @property
+    def derived_nbytes(self) -> int:
+        return sum(s.derived_nbytes for s in self.strategies.values())
 
     def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask):
         name = self.choose(c_q.shape[1], c_kv.shape[1])

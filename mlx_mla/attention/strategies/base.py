@@ -1,8 +1,8 @@
-"""The one signature every MLA strategy has, and the attention core the absorbed ones share."""
+"""The one interface every MLA strategy has, and the attention core the absorbed ones share."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
@@ -10,25 +10,36 @@ if TYPE_CHECKING:
     from ..mla import MLAttention
 
 
-class Strategy(Protocol):
-    """Turns the latent cache into attention output for one layer.
+class Strategy:
+    """Turns one layer's latent cache into attention output; one instance per layer.
 
     ``__call__(attn, c_q, q_pe, c_kv, k_pe, mask) -> (B, L, hidden)`` with
-        c_q:  (B, L, q_in)  the query latent (x, or the normalised q_a_proj output)
+        attn: the layer's ``MLAttention`` (its weights: w_uq, w_uk, w_uv, o_proj, scale)
+        c_q:  (B, L, q_in) the compressed query (x itself when q_lora_rank is null)
         q_pe: (B, H, L, qk_rope_head_dim), roped
         c_kv: (B, S, kv_lora_rank); k_pe: (B, S, qk_rope_head_dim), roped; S = offset + L
-        mask: bool (L, S), True = attend; None for a single decode step.
-    ``prepare(attn)`` builds any derived weights (once, when the strategy is selected);
-    ``release(attn)`` frees them.
+        mask: bool, broadcastable to (B, 1, L, S), True = attend; None = attend to all S.
+    ``prepare(attn)`` builds the weights the strategy derives from the layer's own (once,
+    when the strategy is selected) and keeps them on the strategy object; ``release()``
+    drops them; ``derived_nbytes`` is what they occupy. The FLOPs and bytes each strategy
+    costs per call are derived in ``mlx_mla.attention.costs``.
     """
 
-    name: str
+    name: str = ""
 
-    def prepare(self, attn: "MLAttention") -> None: ...
+    def prepare(self, attn: "MLAttention") -> None:
+        """Build derived weights from ``attn``'s own (none by default)."""
 
-    def release(self, attn: "MLAttention") -> None: ...
+    def release(self) -> None:
+        """Drop derived weights (none by default)."""
 
-    def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask) -> mx.array: ...
+    @property
+    def derived_nbytes(self) -> int:
+        """Bytes of the derived weights this strategy holds (0 by default)."""
+        return 0
+
+    def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask) -> mx.array:
+        raise NotImplementedError
 
 
 # Below this many query rows (H·L) the latent attention uses the decode layout (see
@@ -36,17 +47,6 @@ class Strategy(Protocol):
 DECODE_ROWS = 256
 # Positions per block of the blocked P·c_kv product in the decode layout.
 BLOCK = 128
-
-
-class WithoutDerivedWeights:
-    """Base of strategies that compute from the checkpoint's own weights: nothing to
-    prepare or release."""
-
-    def prepare(self, attn) -> None:
-        pass
-
-    def release(self, attn) -> None:
-        pass
 
 
 def query_nope(attn, c_q: mx.array) -> mx.array:
@@ -85,7 +85,7 @@ def latent_attention(
     Args:
         q_latent: (B, H, L, kv_lora_rank); q_pe: (B, H, L, qk_rope_head_dim)
         c_kv: (B, S, kv_lora_rank); k_pe: (B, S, qk_rope_head_dim)
-        mask: bool (L, S) or None
+        mask: bool broadcastable to (B, 1, L, S) (True = attend), or None
     Returns:
         o_latent: (B, H, L, kv_lora_rank), in q_latent's dtype.
     """

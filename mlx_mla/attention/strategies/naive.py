@@ -1,35 +1,24 @@
 """``naive``: decompress K (nope part) and V from the latent for every attended position.
 
-Per layer, L new tokens attending to S positions (a decode step: L = 1), H heads,
-r = kv_lora_rank, dn/dr/dv = qk_nope/qk_rope/v head dims, d = hidden, q_in = d (q_lora_rank
-null); FLOPs count a multiply-add as 2 (``mlx_mla.attention.costs`` computes all of this):
-    FLOPs = 2·L·d·(r + dr) + 2·L·q_in·H·(dn + dr)   [W_DKV, W_KR; W_UQ, W_QR]
-          + 2·S·r·H·(dn + dv)                        [decompress K_nope and V: every position]
-          + 2·L·S·H·(dn + dr + dv)                   [scores, P·V]
-          + 2·L·H·dv·d                               [o_proj]
-    bytes read = weights (4-bit Linears + scales/biases, float W_UK/W_UV)
-          + S·(r + dr)·itemsize                      [latent cache]
-          + 2·H·S·(dn + dr + dv)·itemsize            [decompressed K, V written, read back]
-          + 4·H·L·S·itemsize                         [scores / probabilities]
-    DeepSeek-V2-Lite decode step: 23.3M + 4.20M·S FLOPs; 15.7 MB + 43.5 KB·S read (float32
-    activations, 4-bit weights with float32 scales).
-The C-engine notes' 6.3M + 2.1M·S counts multiply-adds, not FLOPs, and leaves out the
-kv_a projection and o_proj: doubled, their slope (2·2,102,272) is exactly ours, and their
-intercept (2·6.29M = 12.6M) is our q projection alone. Their 9,760·S memory count is in
-elements and leaves out writing the decompressed K/V (ours, in bytes, counts it: it is
-~94% of what a long-context decode step moves). Decompression costs ~120x the absorbed
-strategies' per-position work, so this is the slowest decode at every context; for a
-prefill chunk it is done once for L queries and it is the cheapest.
+k_nope = W_UK c_kv and v = W_UV c_kv per head (DeepSeek-V2 paper, section 2.1.2, eq. 9-13),
+k = [k_nope; k_pe] with k_pe broadcast to every head, then ordinary scaled dot-product
+attention: what transformers' ``DeepseekV2Attention`` computes.
+
+Cost (``mlx_mla.attention.costs``): decompression is 2·S·r·H·(dn + dv) FLOPs per call, done
+for every cached position at every step: ~120x the absorbed strategies' per-position work at
+DeepSeek-V2-Lite's shape, so the slowest decode. For a prefill chunk it is done once for L
+queries, and attention then costs 2·H·(dn + dr + dv) per query-position pair (the absorbed
+strategies' 2·H·(2r + dr) is 3.4x that): the cheapest prefill.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import WithoutDerivedWeights, query_nope
+from .base import Strategy, query_nope
 
 
-class Naive(WithoutDerivedWeights):
+class Naive(Strategy):
     """Decompress-then-attend MLA (transformers' DeepseekV2Attention, HF reference)."""
 
     name = "naive"
