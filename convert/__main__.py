@@ -1,4 +1,5 @@
-"""`python -m convert` / `mlx-mla-convert`: the command line over `convert.pipeline`."""
+"""`python -m convert` (from a checkout) / `mlx-mla-convert` (installed): the command line
+over `convert.pipeline`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from .pipeline import DTYPES, ConvertOptions, convert
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m convert",
+        # a checkout runs it as `python -m convert`; the wheel installs it as mlx_mla_convert
+        prog="python -m convert" if __package__ == "convert" else "mlx-mla-convert",
         description="Convert a DeepSeek-V2 (V2, V2-Lite, V2.5, Coder-V2) Hugging Face checkpoint "
         "to an MLX folder in mlx-lm's format, streaming one shard at a time.",
     )

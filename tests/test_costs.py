@@ -33,13 +33,20 @@ def test_decode_flops_by_hand():
     assert costs.linear_in_s(V2_LITE, "kv-cache") == (FRONT + W_UQ + 2 * 512 * 4096 + O_PROJ, 10_240)
 
 
-def test_c_notes_slopes_are_multiply_adds_with_v_decompressed():
-    # The C notes' naive slope 2,102,272 is in multiply-adds: ours is exactly twice it.
-    assert costs.linear_in_s(V2_LITE, "naive")[1] == 2 * 2_102_272
-    # Their absorbed slopes (1,059,840) still decompress V for every position
-    # (512·2048 = 1,048,576 multiply-adds); ours does not: 34,816 FLOPs = 17,408 MACs.
-    assert 1_059_840 - 512 * 2048 == 16 * 576 + 16 * 128 == 11_264
-    assert costs.linear_in_s(V2_LITE, "absorb")[1] // 2 == 16 * 576 + 16 * 512
+def test_per_position_slopes_by_hand():
+    # naive, per cached position: decompress k_nope and v for 16 heads (2·512·16·(128 + 128))
+    # plus attention over the decompressed keys and values (2·16·(192 + 128))
+    assert costs.linear_in_s(V2_LITE, "naive")[1] == 2 * 512 * 16 * 256 + 2 * 16 * 320
+    # absorbed: scores against c_kv and k_pe (2·16·576) and P·c_kv (2·16·512); W_UV is applied
+    # once to the 16 latent outputs, so nothing per position is decompressed: 1/120 of naive's
+    assert costs.linear_in_s(V2_LITE, "absorb")[1] == 2 * 16 * 576 + 2 * 16 * 512 == 34_816
+    assert costs.linear_in_s(V2_LITE, "naive")[1] // costs.linear_in_s(V2_LITE, "absorb")[1] == 120
+
+
+def test_readme_table_comes_from_the_model():
+    table = costs.markdown_table(V2_LITE)
+    assert "| `naive` | 23.3M + 4.20M·S |" in table
+    assert "| `absorb` | 27.5M + 34.8K·S |" in table
 
 
 def test_bytes_by_hand():

@@ -1,5 +1,12 @@
 """Analytic cost of one MLA layer call: FLOPs and bytes read, per strategy.
 
+Derived from the computation each strategy performs (``mlx_mla.attention.strategies``),
+which follows the DeepSeek-V2 paper (section 2.1: the latent c_kv, decoupled RoPE, and the
+absorption of W_UK into the query side and of W_UV into the output side) and DeepSeek's
+reference implementations (transformers' ``DeepseekV2Attention`` for the decompressing path;
+DeepSeek's ``inference/model.py`` "absorb" path for attention over the latent).
+``python -m mlx_mla.attention.costs`` prints the README's table for DeepSeek-V2-Lite.
+
 A pure function of the model dimensions, the call shape (L new tokens attending to S
 positions; a decode step is L = 1), the activation itemsize and the weight quantization.
 Symbols: d = hidden_size, q_in = d (or q_lora_rank), H heads, r = kv_lora_rank,
@@ -141,5 +148,42 @@ def linear_in_s(args, strategy: str, **kw) -> tuple:
     return c0, c1 - c0
 
 
+def _si(x: float) -> str:
+    for unit, div in (("M", 1e6), ("K", 1e3)):
+        if abs(x) >= div:
+            v = x / div
+            return (f"{v:#.3g}".rstrip(".") if v < 100 else f"{v:.0f}") + unit
+    return f"{x:g}"
+
+
+def _bytes(x: float) -> str:
+    return f"{x / 1e6:.1f} MB" if x >= 1e6 else f"{x / 1e3:.3g} KB"
+
+
+def markdown_table(args, itemsize: int = 4, bits: Optional[int] = 4, group_size: int = 64) -> str:
+    """The README's table: per-layer decode-step FLOPs and bytes read as a + b·S for each
+    strategy and for mlx-lm's full K/V cache (``kv-cache``)."""
+    names = {"naive": "`naive`", "absorb-materialized": "`absorb-materialized`",
+             "absorb": "`absorb`", "kv-cache": "mlx-lm `deepseek_v2` (full K/V cache)"}
+    kw = dict(itemsize=itemsize, bits=bits, group_size=group_size)
+    lines = ["| strategy | FLOPs | bytes read |", "|---|---|---|"]
+    for model in ("naive", "absorb-materialized", "absorb", "kv-cache"):
+        f0, f1 = linear_in_s(args, model, **kw)
+        b0 = step_costs(args, model, S=0, **kw).bytes_read
+        b1 = step_costs(args, model, S=1, **kw).bytes_read - b0
+        lines.append(f"| {names[model]} | {_si(f0)} + {_si(f1)}·S | {_bytes(b0)} + {_bytes(b1)}·S |")
+    return "\n".join(lines)
+
+
 __all__ = ["Costs", "STRATEGY_MODELS", "step_costs", "quantized_bytes",
-           "materialized_extra_bytes", "linear_in_s"]
+           "materialized_extra_bytes", "linear_in_s", "markdown_table"]
+
+
+if __name__ == "__main__":
+    from mlx_mla.config import ModelArgs
+
+    # DeepSeek-V2-Lite's attention (deepseek-ai/DeepSeek-V2-Lite config.json), float32
+    # activations, 4-bit group-64 Linears with float32 scales
+    print(markdown_table(ModelArgs(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512,
+                                   q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                   v_head_dim=128)))
