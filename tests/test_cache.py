@@ -9,7 +9,6 @@ logits: 1e-4, float32 summation order only), stock mlx-lm's deepseek_v2 on the s
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
