@@ -81,6 +81,9 @@ class Model(nn.Module):
         # No strategy until the weights are in: some derive weights from them.
         # ``set_mla_strategy`` chooses one (``mlx_mla.load`` calls it once, after loading).
         self.mla_strategy = None
+        # The bound ``make_cache`` uses when none is asked for (the server's and chat's
+        # --max-kv-size: mlx-lm's code makes their caches without one).
+        self.max_kv_size: Optional[int] = None
 
     def __call__(self, inputs: mx.array, cache: Optional[List[LatentCache]] = None):
         h = self.model(inputs, cache)
@@ -102,12 +105,15 @@ class Model(nn.Module):
         ``make_cache`` no arguments (mlx-lm 0.32), so when it is the caller and no size is
         given here, its ``max_kv_size`` argument is read from its frame
         (``_max_kv_size_of_caller``); tests/test_cache.py fails if mlx-lm changes that.
+        Without either, ``self.max_kv_size`` (None: unbounded) applies.
 
         Raises:
             ValueError: ``max_kv_size`` not above ``keep``.
         """
         if max_kv_size is None:
             max_kv_size = _max_kv_size_of_caller()
+        if max_kv_size is None:
+            max_kv_size = self.max_kv_size
         if max_kv_size is None:
             return [LatentCache() for _ in self.layers]
         if max_kv_size <= keep:

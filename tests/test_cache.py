@@ -200,6 +200,12 @@ def test_generate_step_max_kv_size_bounds_the_cache(demo, text_tokens):
     gen.close()
     steps = list(generate_step(mx.array(text_tokens[:20]), model, max_tokens=20, max_kv_size=16))
     assert len(steps) == 20
+    model.max_kv_size = 24  # a server's or chat's default bound
+    try:
+        assert make_prompt_cache(model)[0].max_size == 24
+        assert make_prompt_cache(model, max_kv_size=16)[0].max_size == 16
+    finally:
+        model.max_kv_size = None
 
 
 @pytest.mark.parametrize("name", NAMES)
