@@ -1,0 +1,147 @@
+"""The server's own flags and parts: --max-kv-size and --allow-other-models on a real server
+process, start-up errors as one line, and — in-process, where mlx-lm's generation thread can
+be watched — a stopped request leaving the batch and freeing its latent cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from mlx_lm.generate import batch_generate, stream_generate
+from mlx_lm.models.cache import LRUPromptCache
+from mlx_lm.server import (
+    CompletionRequest, GenerationArguments, LogitsProcessorArguments, ModelDescription,
+    SamplingArguments,
+)
+from openai import OpenAI
+
+import mlx_mla
+from mlx_mla.server import (
+    MLAModelProvider, MLAResponseGenerator, bind_warning, build_parser, main,
+)
+from server_helpers import ServerProcess
+
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def demo(fixture_dir):
+    return mlx_mla.load(fixture_dir)
+
+
+@pytest.fixture(scope="module")
+def bounded_server(fixture_dir, tmp_path_factory):
+    proc = ServerProcess(["--model", fixture_dir, "--max-kv-size", WINDOW, "--allow-other-models"],
+                         tmp_path_factory.mktemp("bounded") / "log")
+    yield proc
+    assert proc.stop() == 0, proc.log()[-2000:]
+
+
+def test_max_kv_size_bounds_prompts_and_rotates_like_batch_generate(bounded_server, demo,
+                                                                     corpus_text):
+    model, tokenizer = demo
+    status, reply = bounded_server.request(
+        "POST", "/v1/completions", {"prompt": corpus_text[:600], "max_tokens": 4})
+    assert status == 400 and f"--max-kv-size of {WINDOW} tokens" in reply["error"], reply
+    # 30 prompt tokens + 60 generated: the cache rotates past the window; mlx-lm's
+    # batch_generate with the same bound is the reference (the server's BatchGenerator)
+    prompt = tokenizer.decode(tokenizer.encode(corpus_text[:400])[1:30])
+    client = OpenAI(base_url=bounded_server.base_url, api_key="unused", max_retries=0)
+    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=60,
+                                  temperature=0)
+    tokens = tokenizer.encode(prompt)
+    assert len(tokens) + r.usage.completion_tokens > WINDOW
+    ref = batch_generate(model, tokenizer, [tokens], max_tokens=60, max_kv_size=WINDOW,
+                         return_token_ids=True).token_ids[0]
+    assert r.usage.completion_tokens == len(ref)
+    assert r.choices[0].text == tokenizer.decode([t for t in ref if t not in tokenizer.eos_token_ids])
+
+
+def test_allow_other_models_loads_the_named_one(bounded_server, demo):
+    """With --allow-other-models a request naming another folder loads it (mlx-lm's
+    behaviour) and the served model is loaded back for the next default request."""
+    client = OpenAI(base_url=bounded_server.base_url, api_key="unused", max_retries=0)
+    r = client.completions.create(model=str(mlx_mla.DEMO_MODEL), prompt="ROMEO:", max_tokens=6,
+                                  temperature=0)
+    assert r.model == str(mlx_mla.DEMO_MODEL)
+    assert f"INFO - loading {mlx_mla.DEMO_MODEL} " in bounded_server.log()
+    client.completions.create(model="default_model", prompt="ROMEO:", max_tokens=2)
+    assert bounded_server.log().count("INFO - loading ") == 3
+    model, tokenizer = demo
+    expected = stream_generate(model, tokenizer, tokenizer.encode("ROMEO:"), max_tokens=6)
+    assert r.choices[0].text == "".join(g.text for g in expected)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--pipeline"], "distributed serving (--pipeline, mlx.launch ranks) is not available"),
+    (["--chat-template-args", "[1]"], "--chat-template-args must be a JSON object"),
+    (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1"),
+    (["--model", "/nowhere/model"], "/nowhere/model"),
+    (["--max-kv-size", "3"], "max_kv_size 3 must be larger than the 4 tokens always kept"),
+    (["--kv-bits", "7"], "kv bits 7 is not supported"),
+])
+def test_start_up_errors_are_one_line(capsys, argv, expected):
+    rc = main(["--port", "0", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+def test_bind_warning_only_off_loopback():
+    assert bind_warning("127.0.0.1") is None and bind_warning("localhost") is None
+    assert "anyone who can reach" in bind_warning("0.0.0.0")
+
+
+def _request(prompt: str, max_tokens: int):
+    """mlx-lm's request objects, as its HTTP handler builds them (greedy, no extras)."""
+    args = GenerationArguments(
+        model=ModelDescription("default_model", "default_model", None),
+        sampling=SamplingArguments(0.0, 1.0, 0, 0.0, 0.0, 0.1),
+        logits=LogitsProcessorArguments(None, 0.0, 20, 0.0, 20, 0.0, 20),
+        stop_words=[], max_tokens=max_tokens, num_draft_tokens=3, logprobs=False,
+        top_logprobs=-1, seed=None, chat_template_kwargs=None)
+    return CompletionRequest("text", prompt, [], None, None), args
+
+
+def _wait(condition, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_stopped_request_leaves_the_batch_and_frees_its_cache(monkeypatch, fixture_dir, demo):
+    """What the HTTP handler does when a client hangs up (``ctx.stop()``), in-process: the
+    generation thread removes the sequence from the batch (``BatchGenerator.remove``), the
+    latent cache bytes it held are freed while the other sequence goes on, and that one's
+    tokens equal its single run."""
+    import mlx_lm.server
+
+    removals = []
+
+    class Watched(mlx_lm.server.BatchGenerator):
+        def remove(self, uids, return_prompt_caches=False):
+            before = self.prompt_cache_nbytes
+            out = super().remove(uids, return_prompt_caches)
+            removals.append((list(uids), before, self.prompt_cache_nbytes))
+            return out
+
+    monkeypatch.setattr(mlx_lm.server, "BatchGenerator", Watched)
+    provider = MLAModelProvider(build_parser().parse_args(["--model", str(fixture_dir)]))
+    generator = MLAResponseGenerator(provider, LRUPromptCache(10))
+    try:
+        provider.ready.wait(120)
+        ctx_a, stream_a = generator.generate(*_request("ROMEO:", 1500))
+        ctx_b, stream_b = generator.generate(*_request("JULIET:", 200))
+        for _ in range(3):
+            next(stream_a)
+        ctx_a.stop()
+        got_b = [r.token for r in stream_b]
+        _wait(lambda: removals, "the stopped sequence's removal")
+        (uids, before, after), = removals
+        assert len(set(uids)) == 1 and 0 < after < before  # A alone (listed once per step)
+    finally:
+        generator.stop_and_join()
+    model, tokenizer = demo
+    ref = [g.token for g in stream_generate(model, tokenizer, tokenizer.encode("JULIET:"),
+                                            max_tokens=200)]
+    assert got_b == ref
