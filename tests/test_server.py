@@ -188,15 +188,6 @@ def test_a_bad_request_gets_its_4xx_and_the_server_serves_on(
     assert r.choices[0].text == greedy(demo, demo[1].encode("ROMEO:"), 6)
 
 
-def test_generation_stops_at_the_end_of_the_context(client, demo, corpus_text):
-    prompt = _long_prompt(corpus_text, demo[1], 2040)
-    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=100,
-                                  temperature=0)
-    n = r.usage.prompt_tokens
-    assert 2030 <= n < 2048
-    assert r.choices[0].finish_reason == "stop" or r.usage.total_tokens == 2048
-
-
 def test_another_model_is_refused_and_nothing_is_loaded(server, client, fixture_dir):
     before = server.log().count("INFO - loading ")
     with pytest.raises(openai.NotFoundError) as e:  # a valid model folder, not the served one
@@ -231,12 +222,12 @@ def test_a_client_hanging_up_mid_stream_does_not_disturb_another(server, client,
     generation (mlx-lm removes it from the batch) and serves on."""
     _, tokenizer = demo
     prompt_b = "JULIET:\nO Romeo, Romeo!"
-    expected = greedy(demo, tokenizer.encode(prompt_b), 200)
+    expected = greedy(demo, tokenizer.encode(prompt_b), 80)
     result = {}
 
     def b():
         result["b"] = "".join(c.choices[0].text for c in client.completions.create(
-            model="default_model", prompt=prompt_b, max_tokens=200, temperature=0, stream=True))
+            model="default_model", prompt=prompt_b, max_tokens=80, temperature=0, stream=True))
 
     thread = threading.Thread(target=b)
     thread.start()

@@ -4,6 +4,7 @@ be watched — a stopped request leaving the batch and freeing its latent cache.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -20,8 +21,9 @@ from mlx_mla.server import (
     MLAModelProvider, MLAResponseGenerator, bind_warning, build_parser, main,
 )
 from server_helpers import ServerProcess
+from testdata import writable_copy
 
-WINDOW = 64
+WINDOW, CONTEXT = 200, 256
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +33,49 @@ def demo(fixture_dir):
 
 @pytest.fixture(scope="module")
 def bounded_server(fixture_dir, tmp_path_factory):
-    proc = ServerProcess(["--model", fixture_dir, "--max-kv-size", WINDOW, "--allow-other-models"],
+    """The fixture with a context of 256 tokens (``max_position_embeddings`` is read only for
+    the limits: YaRN's factor is explicit), served with --max-kv-size 200."""
+    folder = writable_copy(fixture_dir, tmp_path_factory.mktemp("short") / "model")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
+    proc = ServerProcess(["--model", folder, "--max-kv-size", WINDOW, "--allow-other-models"],
                          tmp_path_factory.mktemp("bounded") / "log")
+    proc.folder = folder
     yield proc
     assert proc.stop() == 0, proc.log()[-2000:]
 
 
-def test_max_kv_size_bounds_prompts_and_rotates_like_batch_generate(bounded_server, demo,
-                                                                     corpus_text):
+def _prompt(tokenizer, corpus_text, n):
+    """Text that encodes to ``n`` tokens (BOS included)."""
+    return tokenizer.decode(tokenizer.encode(corpus_text)[1:n])
+
+
+@pytest.mark.parametrize("n, message", [
+    (WINDOW + 20, f"is longer than this server's --max-kv-size of {WINDOW} tokens"),
+    (CONTEXT, f"does not fit the model's context of {CONTEXT} tokens"),
+])
+def test_prompts_past_the_bound_or_the_context_are_refused(bounded_server, demo, corpus_text,
+                                                           n, message):
+    prompt = _prompt(demo[1], corpus_text, n)
+    assert len(demo[1].encode(prompt)) == n
+    status, reply = bounded_server.request("POST", "/v1/completions",
+                                           {"prompt": prompt, "max_tokens": 4})
+    assert status == 400 and message in reply["error"], reply
+
+
+def test_generation_rotates_the_cache_and_stops_at_the_context(bounded_server, demo, corpus_text):
+    """190 prompt tokens, 100 asked: the answer stops at the context (66 tokens), the cache
+    having rotated past the window, as mlx-lm's batch_generate with the same bound does
+    (the server's BatchGenerator)."""
     model, tokenizer = demo
-    status, reply = bounded_server.request(
-        "POST", "/v1/completions", {"prompt": corpus_text[:600], "max_tokens": 4})
-    assert status == 400 and f"--max-kv-size of {WINDOW} tokens" in reply["error"], reply
-    # 30 prompt tokens + 60 generated: the cache rotates past the window; mlx-lm's
-    # batch_generate with the same bound is the reference (the server's BatchGenerator)
-    prompt = tokenizer.decode(tokenizer.encode(corpus_text[:400])[1:30])
+    prompt = _prompt(tokenizer, corpus_text, 190)
     client = OpenAI(base_url=bounded_server.base_url, api_key="unused", max_retries=0)
-    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=60,
+    r = client.completions.create(model="default_model", prompt=prompt, max_tokens=100,
                                   temperature=0)
-    tokens = tokenizer.encode(prompt)
-    assert len(tokens) + r.usage.completion_tokens > WINDOW
-    ref = batch_generate(model, tokenizer, [tokens], max_tokens=60, max_kv_size=WINDOW,
-                         return_token_ids=True).token_ids[0]
-    assert r.usage.completion_tokens == len(ref)
+    ref = batch_generate(model, tokenizer, [tokenizer.encode(prompt)], max_tokens=CONTEXT - 190,
+                         max_kv_size=WINDOW, return_token_ids=True).token_ids[0]
+    assert r.usage.prompt_tokens == 190 and r.usage.completion_tokens == len(ref)
+    assert len(ref) == CONTEXT - 190 or ref[-1] in tokenizer.eos_token_ids
     assert r.choices[0].text == tokenizer.decode([t for t in ref if t not in tokenizer.eos_token_ids])
 
 
@@ -66,7 +88,7 @@ def test_allow_other_models_loads_the_named_one(bounded_server, demo):
     assert r.model == str(mlx_mla.DEMO_MODEL)
     assert f"INFO - loading {mlx_mla.DEMO_MODEL} " in bounded_server.log()
     client.completions.create(model="default_model", prompt="ROMEO:", max_tokens=2)
-    assert bounded_server.log().count("INFO - loading ") == 3
+    assert bounded_server.log().count(f"INFO - loading {bounded_server.folder} ") == 2
     model, tokenizer = demo
     expected = stream_generate(model, tokenizer, tokenizer.encode("ROMEO:"), max_tokens=6)
     assert r.choices[0].text == "".join(g.text for g in expected)
@@ -131,7 +153,7 @@ def test_a_stopped_request_leaves_the_batch_and_frees_its_cache(monkeypatch, fix
     try:
         provider.ready.wait(120)
         ctx_a, stream_a = generator.generate(*_request("ROMEO:", 1500))
-        ctx_b, stream_b = generator.generate(*_request("JULIET:", 200))
+        ctx_b, stream_b = generator.generate(*_request("JULIET:", 80))
         for _ in range(3):
             next(stream_a)
         ctx_a.stop()
@@ -143,5 +165,5 @@ def test_a_stopped_request_leaves_the_batch_and_frees_its_cache(monkeypatch, fix
         generator.stop_and_join()
     model, tokenizer = demo
     ref = [g.token for g in stream_generate(model, tokenizer, tokenizer.encode("JULIET:"),
-                                            max_tokens=200)]
+                                            max_tokens=80)]
     assert got_b == ref
