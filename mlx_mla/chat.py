@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
         "max_kv_size": "bound the latent cache to this many tokens (the first 4 kept, the "
                        "rest rotate)",
         "pipeline": "mlx-lm's distributed chat (not available for MLA models yet: refused)",
+        "adapter_path": "not supported by mlx-mla (refused): fuse the adapter into the model "
+                        "with mlx_lm.fuse",
     }
     for action in p._actions:
         if action.dest in helps:
