@@ -167,3 +167,25 @@ def test_a_stopped_request_leaves_the_batch_and_frees_its_cache(monkeypatch, fix
     ref = [g.token for g in stream_generate(model, tokenizer, tokenizer.encode("JULIET:"),
                                             max_tokens=80)]
     assert got_b == ref
+
+
+def test_kv_bits_serves_one_at_a_time_on_a_quantized_latent(fixture_dir, demo):
+    """--kv-bits: mlx-lm serves such requests unbatched (``_serve_single``, its
+    ``stream_generate``), the c_kv quantized from --quantized-kv-start on; the tokens equal
+    that generate run's, which differ from the float cache's here."""
+    args = build_parser().parse_args(["--model", str(fixture_dir), "--kv-bits", "4",
+                                      "--quantized-kv-start", "8"])
+    provider = MLAModelProvider(args)
+    generator = MLAResponseGenerator(provider, LRUPromptCache(10))
+    try:
+        provider.ready.wait(120)
+        _, stream = generator.generate(*_request("ROMEO:", 20))
+        got = [r.token for r in stream]
+    finally:
+        generator.stop_and_join()
+    model, tokenizer = demo
+    prompt = tokenizer.encode("ROMEO:")
+    ref = [g.token for g in stream_generate(model, tokenizer, prompt, max_tokens=20, kv_bits=4,
+                                            quantized_kv_start=8)]
+    unquantized = [g.token for g in stream_generate(model, tokenizer, prompt, max_tokens=20)]
+    assert got == ref and len(ref) == 20 and ref != unquantized
