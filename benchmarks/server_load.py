@@ -32,7 +32,7 @@ second reports. With one layer, prefill computes only what the single layer cach
 (mlx-lm's prefill evaluates the cache state), so the same pair is also measured on a
 ``--reuse-layers`` (2) folder, where the first layer's attention and MoE run over the prompt.
 
-    python -m benchmarks.server_load          # ~10 minutes on a 2-core CPU
+    python -m benchmarks.server_load          # ~18 minutes on a 2-core CPU (6 of them the 2-layer pair)
 Writes benchmarks/results/server_load.{csv,json,png}.
 """
 
