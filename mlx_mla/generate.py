@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import DEMO_MODEL
+from . import DEMO_MODEL, blas
 from .attention import STRATEGIES
 from .checkpoint import ModelLoadError
 from .dtypes import DTYPES
@@ -117,6 +117,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"({used // max(positions, 1)} bytes/token, {len(cache)} layers), "
         f"MLA strategy: {args.mla_strategy}"
     )
+    if mx.default_device() == mx.cpu:
+        print(f"BLAS: {blas.describe()['label']}")
     return 0
 
 
