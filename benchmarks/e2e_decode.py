@@ -231,20 +231,19 @@ def decode(model, cache, steps: int, token: int = 1000) -> Dict[str, float]:
 def attention_step_ms(model, cache, hidden: int, steps: int = 3, seed: int = 3) -> float:
     """ms of one decode step's attention: every layer's attention module (``self_attn``,
     the same call signature in mlx_mla and mlx-lm) on a random (1, 1, hidden) input over
-    that layer's cache, summed over layers; median of ``steps`` after one warm-up, the
-    cache trimmed back after each call."""
+    that layer's cache, all layers evaluated together as a step is; median of ``steps``
+    after one warm-up, the caches trimmed back after each."""
     x = mx.random.normal((1, 1, hidden), key=mx.random.key(seed)).astype(
         model.layers[0].input_layernorm.weight.dtype)
+    mx.eval(x)
     times = []
     for i in range(steps + 1):
-        t = 0.0
-        for layer, c in zip(model.layers, cache):
-            t0 = time.perf_counter()
-            mx.eval(layer.self_attn(x, None, c))
-            t += time.perf_counter() - t0
-            c.trim(1)
+        t0 = time.perf_counter()
+        mx.eval([layer.self_attn(x, None, c) for layer, c in zip(model.layers, cache)])
         if i:
-            times.append(t)
+            times.append(time.perf_counter() - t0)
+        for c in cache:
+            c.trim(1)
     return 1e3 * float(np.median(times))
 
 

@@ -38,7 +38,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 # BLAS kind -> fewest rows for which dequantize + float GEMM beat the quantized kernel
 # (measured, benchmarks/prefill_gemm.py); None = never.
-MIN_ROWS: Dict[str, Optional[int]] = {"openblas": 8, "reference": None}
+MIN_ROWS: Dict[str, Optional[int]] = {"openblas": 16, "reference": None}
 
 
 def _dequantized(module, e: Optional[int] = None) -> mx.array:

@@ -66,8 +66,10 @@ DEFAULT_TABLE = Table(decode=((0, "absorb"),), prefill=((0, "naive"),),
 # x86 CPU, MLX CPU build, float32; decode at 512-16K, a 2K prefill chunk, short chunks of
 # 16-256 tokens over 4K cached), keyed "backend/BLAS" (``backend_key``).
 CROSSOVER_TABLES: Dict[str, Table] = {
-    "cpu/reference": Table(decode=((0, "absorb"),), prefill=((0, "naive"),)),
-    "cpu/openblas": Table(decode=((0, "absorb"),), prefill=((0, "naive"),)),
+    "cpu/reference": Table(decode=((0, "absorb"),), prefill=((0, "naive"),),
+                           short_prefill=((0, "absorb"),), short_chunk=128),
+    "cpu/openblas": Table(decode=((0, "absorb"),), prefill=((0, "naive"),),
+                          short_prefill=((0, "absorb"),), short_chunk=128),
 }
 
 _CANDIDATES = {s.name: s for s in (Naive, Absorb, AbsorbMaterialized)}
