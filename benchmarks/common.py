@@ -72,30 +72,36 @@ BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OM
 
 def machine_info() -> Dict:
     """Where a benchmark ran: CPU, cores, OS, MLX backend and versions, and the BLAS MLX
-    multiplies with (``mlx_mla.blas.describe``) with the BLAS-related variables set."""
+    multiplies with (``mlx_mla.blas.describe``; "gpu" on a GPU backend, whose matmuls do
+    not use it) with the BLAS-related variables set."""
     import mlx_lm
 
     b = blas.describe()
+    cpu = mx.default_device() == mx.cpu
     return {
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {platform.system()}",
-        "backend": "MLX CPU" if mx.default_device() == mx.cpu else "MLX GPU",
+        "backend": "MLX CPU" if cpu else "MLX GPU",
         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-        "blas": b["kind"], "blas_label": b["label"], "blas_preload": b["preload"],
+        "blas": b["kind"] if cpu else "gpu", "blas_label": b["label"] if cpu else "none (GPU backend)",
+        "blas_preload": b["preload"],
         "blas_env": {k: os.environ[k] for k in BLAS_ENV if k in os.environ},
     }
 
 
 # The BLAS a benchmark can be asked to run under (one fresh process each: a process cannot
 # change its BLAS once MLX is loaded). "reference" keeps MLX's bundled netlib BLAS;
-# "openblas" needs `pip install "mlx-mla[openblas]"` (mlx_mla.blas).
-BLAS_CHOICES = ("reference", "openblas")
+# "openblas" needs `pip install "mlx-mla[openblas]"` (mlx_mla.blas); "current": whatever
+# this environment gives (a GPU backend, macOS' Accelerate), not checked.
+BLAS_CHOICES = ("reference", "openblas", "current")
 
 
 def default_blas() -> List[str]:
-    """Both BLAS where OpenBLAS is installed (and MLX bundles the reference one), else
-    just the one this process has."""
-    if blas.openblas_library() is not None and blas.describe()["kind"] in BLAS_CHOICES:
-        return list(BLAS_CHOICES)
+    """On MLX's CPU backend: reference and OpenBLAS where OpenBLAS is installed (and MLX
+    bundles the reference BLAS), else the one this process has; on a GPU: "current"."""
+    if mx.default_device() != mx.cpu or blas.describe()["kind"] not in ("reference", "openblas"):
+        return ["current"]
+    if blas.openblas_library() is not None:
+        return ["reference", "openblas"]
     return [blas.describe()["kind"]]
 
 
@@ -113,7 +119,9 @@ def run_per_blas(module: str, argv: Sequence[str], names: Sequence[str],
     for name in names:
         if name not in BLAS_CHOICES:
             raise SystemExit(f"error: unknown BLAS {name!r}: choose from {', '.join(BLAS_CHOICES)}")
-        env = {**os.environ, "MLX_MLA_BLAS": "reference" if name == "reference" else "auto"}
+        env = dict(os.environ)
+        if name != "current":
+            env["MLX_MLA_BLAS"] = "reference" if name == "reference" else "auto"
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "rows.json"
             log(f"--- {module} under {name} BLAS")
@@ -122,7 +130,7 @@ def run_per_blas(module: str, argv: Sequence[str], names: Sequence[str],
             if proc.returncode != 0 or not result.exists():
                 raise SystemExit(f"error: {module} under {name} BLAS failed (exit {proc.returncode})")
             data = json.loads(result.read_text())
-        if data["meta"]["blas"] != name:
+        if name != "current" and data["meta"]["blas"] != name:
             raise SystemExit(f"error: asked for {name} BLAS, the worker ran on "
                              f"{data['meta']['blas_label']} ({data['meta']['blas_preload']})")
         out.append(data)

@@ -277,8 +277,10 @@ def write_folders(config: dict, workdir: Path) -> Dict[str, Path]:
 
 def plans(strategies=STRATEGIES, default_dtypes=None):
     """[(comparison, engine, dtype name)]: every engine in float32, then each engine at its
-    defaults (mlx_mla: float32 on the CPU; mlx-lm: the checkpoint's bfloat16)."""
-    default_dtypes = default_dtypes or {"mlx_mla": "float32", "mlx-lm": "bfloat16"}
+    defaults (mlx_mla: float32 on the CPU backend, the checkpoint's bfloat16 on a GPU;
+    mlx-lm: the checkpoint's bfloat16)."""
+    default_dtypes = default_dtypes or {
+        "mlx_mla": "float32" if mx.default_device() == mx.cpu else "bfloat16", "mlx-lm": "bfloat16"}
     out = [("same dtype (float32)", e, "float32") for e in engines_for(strategies)]
     for e in ("mlx_mla auto", "mlx-lm v2", "mlx-lm v3"):
         out.append(("defaults", e, default_dtypes[e.split(" ")[0]]))

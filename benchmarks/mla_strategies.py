@@ -37,7 +37,7 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_mla.attention import MLAttention, costs, make_strategy
-from mlx_mla.attention.strategies.auto import Table, backend_key, choose, table_for
+from mlx_mla.attention.strategies.auto import Table, backend_key, backend_name, choose, table_for
 from mlx_mla.cache import LatentCache
 from mlx_mla.config import ModelArgs
 
@@ -344,7 +344,7 @@ def main(argv=None) -> None:
     (a.out / "mla_strategies.json").write_text(json.dumps(
         {"meta": {res["meta"]["blas"]: res["meta"] for res in results}}, indent=2))
     plot(rows, a.out / "mla_strategies.png",
-         "One MLA layer, DeepSeek-V2-Lite shape, 4-bit weights, float32, MLX CPU")
+         f"One MLA layer, DeepSeek-V2-Lite shape, 4-bit weights, float32, MLX {backend_name()}")
     for res in results:
         print(f"\n{res['meta']['blas_label']}:")
         print(markdown_table(res["rows"]))
