@@ -519,7 +519,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--check-extra-mib", type=float, default=256.0)
     p.add_argument("--blas", nargs="+", default=None,
-                   help="reference and/or openblas (default: both where OpenBLAS is installed)")
+                   help="reference, openblas (CPU; default: both where OpenBLAS is installed) or current (this backend as it is: a GPU)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--workdir", type=Path, default=None,
                    help="where to write the random model folder (a temporary one inside it)")

@@ -323,7 +323,7 @@ def main(argv=None) -> None:
     p.add_argument("--chunk-cache", type=int, default=CHUNK_CACHE)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--blas", nargs="+", default=None,
-                   help="reference and/or openblas (default: both where OpenBLAS is installed)")
+                   help="reference, openblas (CPU; default: both where OpenBLAS is installed) or current (this backend as it is: a GPU)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)

@@ -135,7 +135,7 @@ FIELDS = ["blas", "kind", "shape", "L", "quantized_ms", "dequant_gemm_ms", "spee
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blas", nargs="+", default=None,
-                   help="reference and/or openblas (default: both where OpenBLAS is installed)")
+                   help="reference, openblas (CPU; default: both where OpenBLAS is installed) or current (this backend as it is: a GPU)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
