@@ -70,7 +70,10 @@ from .common import (RESULTS, V2_LITE, default_blas, run_per_blas, with_layers, 
                      write_csv)
 
 FULL_LAYERS = 27
-STRATEGIES = ("auto", "naive", "absorb-materialized", "absorb")
+# mlx_mla strategies timed by default (``--strategies`` for naive / absorb-materialized: at
+# 16K on 2 cores, naive's decode step takes tens of seconds).
+STRATEGIES = ("auto", "absorb")
+ALL_STRATEGIES = ("auto", "naive", "absorb-materialized", "absorb")
 GiB = 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -295,7 +298,8 @@ def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
     (``write_folders``). Prefill is measured only for the (comparison, engine) pairs in
     ``prefill_for`` (others: None) — on 2 cores a 2K-token prefill through mlx-lm's 4-bit
     MoE takes minutes per engine, and ``auto`` prefills a 2K chunk with ``naive``, so
-    naive's prefill is auto's. ``attention_ms``: ``attention_step_ms`` on the same cache."""
+    naive's prefill is auto's. ``attention_ms``: ``attention_step_ms`` on the same cache
+    (float32 comparison only; None for the defaults)."""
     rows = []
     for comparison, engine, dtype_name in plans(strategies, default_dtypes):
         dtype = DTYPES[dtype_name]
@@ -311,12 +315,13 @@ def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
         for S in contexts:
             cache = fill_cache(engine, model, config, S, dtype)
             d = decode(model, cache, decode_steps)
-            attn_ms = attention_step_ms(model, cache, config["hidden_size"])
+            attn_ms = (attention_step_ms(model, cache, config["hidden_size"])
+                       if comparison == "same dtype (float32)" else None)
             row = {
                 "comparison": comparison, "engine": engine, "dtype": dtype_name,
                 "layers": config["num_hidden_layers"], "context": S,
                 "decode_tps": d["decode_tps"], "attention_ms": attn_ms,
-                "attention_share": attn_ms * d["decode_tps"] / 1e3,
+                "attention_share": attn_ms * d["decode_tps"] / 1e3 if attn_ms else None,
                 "prefill_tokens": prefill_tokens,
                 "prefill_tps": pf["prefill_tps"], "weight_bytes": wbytes,
                 "cache_bytes_per_token": cache_bytes_per_token(cache),
@@ -326,8 +331,8 @@ def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
                                        if pf["prefill_peak_bytes"] is not None else None),
             }
             rows.append(row)
-            log(f"[{comparison}] {engine} {dtype_name} S={S}: decode {d['decode_tps']:.2f} tok/s "
-                f"(attention {row['attention_share']:.0%}), cache {row['cache_bytes_per_token']:.0f} B/tok, peak {row['peak_bytes'] / GiB:.2f} GiB")
+            share = f" (attention {row['attention_share']:.0%})" if attn_ms else ""
+            log(f"[{comparison}] {engine} {dtype_name} S={S}: decode {d['decode_tps']:.2f} tok/s{share}, cache {row['cache_bytes_per_token']:.0f} B/tok, peak {row['peak_bytes'] / GiB:.2f} GiB")
             del cache
         del model, warm
         gc.collect()
@@ -515,6 +520,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384])
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--prefill-v3", action="store_true", help="also time mlx-lm v3's prefill")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=ALL_STRATEGIES,
+                   help=f"mlx_mla strategies to time (default: {' '.join(STRATEGIES)})")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--check-extra-mib", type=float, default=256.0)
@@ -546,7 +553,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         folders = write_folders(config, Path(tmp))
         rows = run(config, tuple(args.contexts), args.prefill_tokens, args.decode_steps,
-                   prefill_for=tuple(prefill_for), folders=folders)
+                   strategies=tuple(args.strategies), prefill_for=tuple(prefill_for),
+                   folders=folders)
         budget = budget_table(rows, config, args.budget_gib * GiB)
         checks = verify_budget(rows, config, folders, args.check_extra_mib * 2**20)
     worker_result(args.worker_out, rows, {

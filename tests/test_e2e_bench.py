@@ -46,11 +46,14 @@ def test_lazy_sizing_equals_a_loaded_model(tmp_path):
 
 def test_run_budget_and_outputs(folders, tmp_path):
     rows = bench.run(TINY, contexts=(8, 40), prefill_tokens=12, decode_steps=2,
-                     folders=folders, log=lambda *_: None)
-    plans = bench.plans()
+                     strategies=bench.ALL_STRATEGIES, folders=folders, log=lambda *_: None)
+    plans = bench.plans(bench.ALL_STRATEGIES)
     assert len(rows) == 2 * len(plans)
     for r in rows:
         assert r["decode_tps"] > 0 and r["weight_bytes"] > 0 and r["peak_bytes"] >= r["weight_bytes"]
+        if r["comparison"] == "defaults":
+            assert r["attention_ms"] is None
+            continue
         assert r["attention_ms"] > 0
         assert r["attention_share"] == pytest.approx(r["attention_ms"] * r["decode_tps"] / 1e3)
         assert r["cache_bytes"] >= r["context"] * r["cache_bytes_per_token"]
