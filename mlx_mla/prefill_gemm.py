@@ -16,8 +16,9 @@ into a ``GemmQuantizedSwitchLinear``: the same object, parameters and names (wei
 strategies and saving see no difference), with a ``min_rows`` from which a call takes the
 dequantized path. For a Linear, rows are the tokens of the call; for the experts, the
 tokens routed to one expert (mlx-lm's ``SwitchGLU`` sorts a call's token-expert pairs by
-expert when there are ≥ 64; each expert's block of rows is then one GEMM, or one quantized
-matmul when it has fewer than ``min_rows`` rows). The dequantized weight is a transient:
+expert when there are ≥ 64; when they average ≥ ``min_rows`` per expert, each expert's
+block of rows is then one GEMM, or one quantized matmul when it has fewer than
+``min_rows`` rows). The dequantized weight is a transient:
 one Linear's (out × in float32, 90 MB for V2-Lite's dense MLP, 838 MB for its lm_head when
 logits are computed for every position) or one expert's at a time.
 
@@ -70,19 +71,23 @@ class GemmQuantizedLinear(nn.QuantizedLinear):
 
 class GemmQuantizedSwitchLinear(QuantizedSwitchLinear):
     """mlx-lm's ``QuantizedSwitchLinear`` (stacked experts (E, out, in), 4-bit) whose
-    sorted calls run one GEMM per expert: the rows routed to expert e (a contiguous block,
-    since they are sorted) times dequantize(W_e)ᵀ when there are ≥ ``min_rows`` of them,
-    else a quantized matmul on that block.
+    sorted calls with at least ``min_rows`` rows per expert on average run one GEMM per
+    expert: the rows routed to expert e (a contiguous block, since they are sorted) times
+    dequantize(W_e)ᵀ when there are ≥ ``min_rows`` of them, else a quantized matmul on
+    that block.
 
-    x: (N, 1, in) sorted by ``indices`` (N,) → (N, 1, out); unsorted calls (decode, fewer
-    than 64 token-expert pairs) go to ``gather_qmm`` unchanged. Reads the per-expert row
-    counts on the host (one synchronisation per call, as a prefill chunk can afford).
+    x: (N, 1, in) sorted by ``indices`` (N,) → (N, 1, out). Other calls go to
+    ``gather_qmm`` unchanged: unsorted ones (decode, fewer than 64 token-expert pairs) and
+    those with fewer rows (64 quantized matmuls on small blocks measured slower than one
+    ``gather_qmm``: benchmarks/prefill_gemm.py, experts at 64 tokens). Reads the
+    per-expert row counts on the host (one synchronisation per call, as a prefill chunk
+    can afford).
     """
 
     min_rows: int = 1
 
     def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
-        if not sorted_indices or indices.size < self.min_rows:
+        if not sorted_indices or indices.size < self.min_rows * self.num_experts:
             return super().__call__(x, indices, sorted_indices)
         counts = np.bincount(np.array(indices).reshape(-1), minlength=self.num_experts)
         rows = x.reshape(-1, x.shape[-1])

@@ -21,7 +21,21 @@ def close(a, b, rel=1e-5):
     return mx.abs(a - b).max().item() <= rel * mx.abs(b).max().item()
 
 
-def test_linear_dequantized_from_min_rows_on():
+@pytest.fixture
+def dequantized(monkeypatch):
+    """Counts the weights (per expert) the GEMM path dequantizes."""
+    calls = []
+    real = prefill_gemm._dequantized
+
+    def spy(module, e=None):
+        calls.append(e)
+        return real(module, e)
+
+    monkeypatch.setattr(prefill_gemm, "_dequantized", spy)
+    return calls
+
+
+def test_linear_dequantized_from_min_rows_on(dequantized):
     mx.random.seed(0)
     lin = nn.Linear(256, 384, bias=True)
     lin.bias = mx.random.normal((384,))
@@ -29,12 +43,13 @@ def test_linear_dequantized_from_min_rows_on():
     x = mx.random.normal((2, 20, 256))
     ref_many, ref_one = ql(x), ql(x[:1, :3])
     assert prefill_gemm.apply(ql, 8) == 1 and type(ql) is GemmQuantizedLinear
-    assert close(ql(x), ref_many)  # 40 rows: dequantized GEMM
+    assert close(ql(x), ref_many) and dequantized == [None]  # 40 rows: dequantized GEMM
     assert mx.array_equal(ql(x[:1, :3]), ref_one).item()  # 3 rows: the quantized kernel itself
+    assert dequantized == [None]
     assert ql.parameters().keys() == {"weight", "scales", "biases", "bias"}
 
 
-def test_experts_one_gemm_per_expert_block():
+def test_experts_one_gemm_per_expert_block(dequantized):
     mx.random.seed(1)
     glu = SwitchGLU(128, 192, 8)
     nn.quantize(glu, 64, 4)
@@ -43,10 +58,14 @@ def test_experts_one_gemm_per_expert_block():
     inds = mx.concatenate([mx.random.randint(0, 3, (1, 48, 2)),
                            mx.random.randint(3, 8, (1, 48, 1))], axis=-1).astype(mx.uint32)
     ref, ref_small = glu(x, inds), glu(x[:, :5], inds[:, :5])  # 15 pairs: unsorted path
-    assert prefill_gemm.apply(glu, 20) == 3
+    ref_few = glu(x[:, :30], inds[:, :30])  # 90 pairs: sorted, < 12 per expert on average
+    assert prefill_gemm.apply(glu, 12) == 3  # 144 pairs ≥ 12 · 8 experts
     assert type(glu.up_proj) is GemmQuantizedSwitchLinear
     assert close(glu(x, inds), ref)
+    assert sorted(set(dequantized)) == [0, 1, 2] and len(dequantized) == 9  # 3 experts x 3 projs
     assert mx.array_equal(glu(x[:, :5], inds[:, :5]), ref_small).item()
+    assert mx.array_equal(glu(x[:, :30], inds[:, :30]), ref_few).item()
+    assert len(dequantized) == 9
 
 
 def test_apply_none_or_float_leaves_modules_alone():
@@ -82,7 +101,7 @@ def test_quantized_model_prefill_matches(strategy):
         return model(tokens[:, :40], cache), model(tokens[:, 40:], cache)
 
     ref_prefill, ref_step = run()
-    n = prefill_gemm.apply(model, 2)
+    n = prefill_gemm.apply(model, 2)  # 80 token-expert pairs ≥ 2 · 4 experts: GEMM path
     assert n == sum(isinstance(m, (nn.QuantizedLinear, QuantizedSwitchLinear))
                     for _, m in model.named_modules()) > 10
     prefill, step = run()
