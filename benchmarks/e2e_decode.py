@@ -18,7 +18,7 @@ in a temporary directory. Every engine reads that folder through its own loader:
   ``noaux_tc``, zero correction bias) rather than V2's softmax — same expert count and
   top-k, so the same work per token; what is compared is the attention and the cache.
 
-Measured, per engine: decode tok/s at contexts 512, 4K, 16K (the caches are filled
+Measured, per engine: decode tok/s at contexts 512 and 16K (``--contexts``; the caches are filled
 directly with random latents / keys — prefilling 16K tokens through the MoE would take
 minutes on 2 cores — then mlx-lm's ``generate_step`` runs a few steps on top); prefill
 tok/s for 2K tokens (``generate_step`` with prefill_step_size 2048, which evaluates only
@@ -35,7 +35,7 @@ activations on CPU; mlx-lm: the checkpoint's bfloat16), and every engine in floa
 Longest context for a memory budget (default 16 GiB), at V2-Lite's full 27 layers:
 weights(27) + S · (cache/token(27) + transient slope) + transient intercept ≤ budget, with
 weights extrapolated per layer from the measured model and the transient fitted over the
-three contexts; verified here at small scale by running at the context the same formula
+measured contexts; verified here at small scale by running at the context the same formula
 gives for a small budget and comparing the measured peak with the prediction.
 
 Each BLAS (``--blas``; default both where ``mlx-mla[openblas]`` is installed) runs in its own
@@ -517,7 +517,7 @@ def main(argv=None) -> int:
     p.add_argument("--dense-layers", type=int, default=0,
                    help="how many first layers are dense (V2-Lite: 1); default 0, so the layer "
                         "whose FFN prefill runs is an MoE layer")
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 16384])
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--prefill-v3", action="store_true", help="also time mlx-lm v3's prefill")
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=ALL_STRATEGIES,

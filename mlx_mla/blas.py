@@ -6,7 +6,7 @@ matmul, unversioned. The dynamic linker resolves such a symbol in the process's 
 scope (the executable, ``LD_PRELOAD``, libraries opened with ``RTLD_GLOBAL``) before the
 library's own dependencies, so an OpenBLAS opened with ``RTLD_GLOBAL`` *before* ``mlx.core``
 is imported takes every BLAS and LAPACK call MLX makes (measured here: float32 GEMM 2048³
-5.5 → ~100+ GFLOP/s on 2 cores).
+5.5 → 47-140 GFLOP/s on 2 shared cores).
 
 ``preload()`` does that, once, at ``import mlx_mla`` (``mlx_mla/__init__.py`` calls it before
 anything imports MLX), when all of these hold: Linux; the ``cmeel-openblas`` wheel is
