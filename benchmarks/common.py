@@ -96,12 +96,12 @@ BLAS_CHOICES = ("reference", "openblas", "current")
 
 
 def default_blas() -> List[str]:
-    """On MLX's CPU backend: reference and OpenBLAS where OpenBLAS is installed (and MLX
+    """On MLX's CPU backend: OpenBLAS then reference where OpenBLAS is installed (and MLX
     bundles the reference BLAS), else the one this process has; on a GPU: "current"."""
     if mx.default_device() != mx.cpu or blas.describe()["kind"] not in ("reference", "openblas"):
         return ["current"]
     if blas.openblas_library() is not None:
-        return ["reference", "openblas"]
+        return ["openblas", "reference"]
     return [blas.describe()["kind"]]
 
 

@@ -435,14 +435,17 @@ def main(argv=None) -> int:
     t0 = time.time()
     if not args.worker_out:
         forward = _without(sys.argv[1:] if argv is None else list(argv), "--blas", "--out")
-        results = run_per_blas("benchmarks.e2e_decode", forward, args.blas or default_blas())
-        rows = [r for res in results for r in res["rows"]]
-        budget = [{"blas": res["meta"]["blas"], **b} for res in results for b in res["meta"]["budget"]]
-        checks = [{"blas": res["meta"]["blas"], **c} for res in results
-                  for c in res["meta"]["budget_checks"]]
-        meta = {res["meta"]["blas"]: {k: v for k, v in res["meta"].items()
-                                      if k not in ("budget", "budget_checks")} for res in results}
-        paths = write_results(rows, budget, checks, meta, args.out)
+        results = []
+        for name in args.blas or default_blas():  # files rewritten after each BLAS's run
+            results += run_per_blas("benchmarks.e2e_decode", forward, [name])
+            rows = [r for res in results for r in res["rows"]]
+            budget = [{"blas": res["meta"]["blas"], **b} for res in results
+                      for b in res["meta"]["budget"]]
+            checks = [{"blas": res["meta"]["blas"], **c} for res in results
+                      for c in res["meta"]["budget_checks"]]
+            meta = {res["meta"]["blas"]: {k: v for k, v in res["meta"].items()
+                                          if k not in ("budget", "budget_checks")} for res in results}
+            paths = write_results(rows, budget, checks, meta, args.out)
         print(json.dumps(json.loads(paths["json"].read_text())["ratios"], indent=2))
         print(f"wrote {', '.join(str(v) for v in paths.values())} in {time.time() - t0:.0f} s")
         return 0
