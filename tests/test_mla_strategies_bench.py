@@ -60,6 +60,10 @@ def test_crossover_table_from_rows():
     table = bench.crossover_table(rows + chunks)
     # 256 is absorb's again, but 128 is naive's: the phase ends at the last unbroken win
     assert (table.short_chunk, table.short_prefill) == (64, ((0, "absorb"),))
+    # an auto row is another sample of the strategy it ran: naive's best time at 64 is 4
+    auto64 = {"phase": "short_prefill", "S": 4160, "L": 64, "impl": "auto", "ms": 4,
+              "cost_model": "naive"}
+    assert bench.crossover_table(rows + chunks + [auto64]).short_chunk == 16
 
 
 def test_main_worker_then_parent_merges_per_blas(tmp_path, monkeypatch):

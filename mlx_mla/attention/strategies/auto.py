@@ -64,12 +64,12 @@ DEFAULT_TABLE = Table(decode=((0, "absorb"),), prefill=((0, "naive"),),
 
 # Measured by benchmarks/mla_strategies.py at DeepSeek-V2-Lite's attention shape (2-core
 # x86 CPU, MLX CPU build, float32; decode at 512-16K, a 2K prefill chunk, short chunks of
-# 16-256 tokens over 4K cached), keyed "backend/BLAS" (``backend_key``).
+# 16-256 tokens over 4K cached; its crossover_table), keyed "backend/BLAS" (``backend_key``).
 CROSSOVER_TABLES: Dict[str, Table] = {
     "cpu/reference": Table(decode=((0, "absorb"),), prefill=((0, "naive"),),
-                           short_prefill=((0, "absorb"),), short_chunk=128),
+                           short_prefill=((0, "absorb"),), short_chunk=64),
     "cpu/openblas": Table(decode=((0, "absorb"),), prefill=((0, "naive"),),
-                          short_prefill=((0, "absorb"),), short_chunk=128),
+                          short_prefill=((0, "absorb"),), short_chunk=256),
 }
 
 _CANDIDATES = {s.name: s for s in (Naive, Absorb, AbsorbMaterialized)}
