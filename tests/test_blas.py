@@ -109,3 +109,11 @@ def test_machine_info_records_the_blas_this_process_uses():
     info = machine_info()
     assert info["blas"] == blas.kind() and info["blas_label"] == blas.describe()["label"]
     assert isinstance(info["blas_env"], dict)
+
+
+def test_run_per_blas_refuses_an_unknown_blas():
+    from benchmarks.common import BLAS_CHOICES, default_blas, run_per_blas
+
+    with pytest.raises(SystemExit, match="unknown BLAS 'mkl'"):
+        run_per_blas("benchmarks.prefill_gemm", [], ["mkl"], log=lambda *_: None)
+    assert set(default_blas()) <= set(BLAS_CHOICES) | {blas.kind()}
