@@ -5,9 +5,9 @@ call costs about the same per row of input whatever the number of rows, ~2 GFLOP
 A float matmul goes through BLAS (``cblas_sgemm``), whose GEMM reuses each weight across
 rows. So for a call with many rows — a prefill chunk — dequantizing the weight once
 (``mx.dequantize``, the same affine values the quantized kernel multiplies by) and
-multiplying in float is faster, by as much as the BLAS is fast: ~15-40x per Linear at
-256-2048 rows under OpenBLAS, about even under MLX's bundled reference BLAS
-(``benchmarks/prefill_gemm.py``). A single row — a decode step — stays on the quantized
+multiplying in float is faster, by as much as the BLAS is fast: 4-25x per Linear at 32-512
+rows under OpenBLAS, at best 1.2x under MLX's bundled reference BLAS
+(``benchmarks/prefill_gemm.py``, ``results/prefill_gemm.csv``). A single row — a decode step — stays on the quantized
 kernel, which reads 4-bit weights instead of float32 ones.
 
 ``apply(model, min_rows)`` turns every affine ``nn.QuantizedLinear`` of ``model`` into a
