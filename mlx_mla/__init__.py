@@ -5,6 +5,10 @@
 
 from pathlib import Path
 
+from .backend import require_mlx
+
+require_mlx()  # before anything imports mlx.core: no backend → one line naming the extra
+
 from .attention import STRATEGIES
 from .cache import LatentCache
 from .checkpoint import ModelLoadError

@@ -127,4 +127,4 @@ def test_failed_download_is_one_clear_error(monkeypatch):
 )
 def test_unsupported_expert_dtype_fails_at_load_with_advice(capsys, fixture_dir):
     rc, err = run_main(capsys, "--model", fixture_dir, "--dtype", "bfloat16", "--max-tokens", "2")
-    assert rc != 0 and len(err) == 1 and "use dtype float32" in err[0]
+    assert rc != 0 and len(err) == 1 and "--dtype float32" in err[0]
