@@ -55,7 +55,8 @@ def check_experts_dtype(args: ModelArgs, dtype: mx.Dtype) -> None:
     ``SwitchLinear``, the layer the model's experts are made of.
 
     Raises:
-        ModelLoadError: the backend cannot run the MoE experts with ``dtype`` activations.
+        ModelLoadError: the backend cannot run the MoE experts with ``dtype`` activations,
+            or the config gives them a quantization MLX refuses.
     """
     from mlx_lm.models.switch_layers import SwitchLinear
 
@@ -68,7 +69,13 @@ def check_experts_dtype(args: ModelArgs, dtype: mx.Dtype) -> None:
         dims = spec.get("group_size", 32)
         layer = SwitchLinear(dims, 2, 2, bias=False)
         if spec:
-            layer = layer.to_quantized(**spec)
+            try:
+                layer = layer.to_quantized(**spec)
+            except ValueError as e:  # bits / group size the mode does not take
+                raise ModelLoadError(
+                    f"config.json's quantization {spec} for the MoE experts is not one MLX "
+                    f"can use ({str(e).strip()}): the folder's config is inconsistent"
+                ) from e
         layer.set_dtype(dtype)
         try:
             mx.eval(layer(mx.zeros((1, 1, 1, 1, dims), dtype), mx.zeros((1, 1, 1), mx.uint32)))

@@ -30,7 +30,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from ..cli import context_error, quiet_on_broken_pipe
-from .judge import QUANTIZED_MATERIALIZED, THRESHOLDS, Threshold, Verdict, judge, logit_stats, threshold_for
+from .judge import THRESHOLDS, Threshold, Verdict, judge, logit_stats, threshold_for
 from .measure import Run, greedy_run, teacher_forced_logits
 from .peer import load_peer, peer_config_adjustments
 from . import report
@@ -163,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model.set_mla_strategy(strategy)
         run = greedy_run(f"mlx_mla {strategy}", model, tokenizer, prompt, args.max_tokens)
         ours_logits = teacher_forced_logits(model, prompt, ref.tokens)
-        thresholds[strategy] = threshold_for(dtype_name(dtype), quantized, strategy, override)
+        thresholds[strategy] = threshold_for(dtype_name(dtype), override)
         verdicts.append(judge(run, ref, ref_logits, ours_logits, len(prompt), thresholds[strategy]))
         runs.append(run)
 
@@ -184,5 +184,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["main", "build_parser", "judge", "threshold_for", "logit_stats", "Threshold",
-           "Verdict", "Run", "THRESHOLDS", "QUANTIZED_MATERIALIZED", "peer_config_adjustments",
+           "Verdict", "Run", "THRESHOLDS", "peer_config_adjustments",
            "load_peer", "greedy_run", "teacher_forced_logits"]

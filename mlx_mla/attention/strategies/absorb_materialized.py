@@ -4,15 +4,15 @@ W_UQK[h] = W_UQ[h]ᵀ W_UK[h]: (q_in, kv_lora_rank) per head, held as one Linear
 q_in → H·kv_lora_rank, so the query goes straight to the latent space in one matmul;
 W_OUV[:, h] = W_O[:, h] W_UV[h]: one Linear H·kv_lora_rank → hidden replacing W_UV and
 o_proj (DeepSeek-V2 paper, section 2.1.2). Both are built in float32 from the unquantized
-W_UK / W_UV and the dequantized q / o projections. In a quantized model they are then
-quantized again, always to ``DERIVED_QUANTIZATION`` (8-bit affine, group 64), whatever the
-folder's bits or mode: re-quantizing them like the projections they replace moved the
-logits away from mlx-lm's by up to 4.3 (max |Δlogit|, mean KL 0.17) on 2-bit folders and
-0.8-1.2 at 4-bit, while at 8 bits every folder converted from the demo checkpoint
-(2-8 bits, both recipes, every MLX mode) stays within ~0.06 / 5e-5
-(``python -m benchmarks.compare_quantized``). A float model keeps them float. They are
-this strategy's own (``prepare`` builds them, ``release`` drops them); the layer's weights
-are untouched.
+W_UK / W_UV and the dequantized q / o projections, and kept in float (the activation dtype),
+also in a quantized model: then the strategy computes what the others compute, and agrees
+with mlx-lm as closely (max |Δlogit| ~2e-5 in float32 on every folder converted from the
+demo checkpoint). Re-quantizing them was measured (``python -m benchmarks.compare_quantized``):
+like the projections they replace, up to 4.3 max |Δlogit| on 2-bit folders (greedy tokens
+differing), 0.8-1.2 at 4-bit; at 8-bit affine still 0.03-0.24, varying with the group size
+and folder. The price is memory: float32 W_UQK + W_OUV are 134 MB per DeepSeek-V2-Lite
+layer (``costs.materialized_extra_bytes``). They are this strategy's own (``prepare`` builds
+them, ``release`` drops them); the layer's weights are untouched.
 
 Cost (``mlx_mla.attention.costs``): the same per-position work as ``absorb``; the fixed
 part multiplies by (H·r)×q_in and d×(H·r) matrices, 4x the W_UQ and o_proj they stand in
@@ -22,6 +22,8 @@ q_in.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,21 +43,22 @@ def dense_weight(linear: nn.Module) -> mx.array:
     return linear.weight
 
 
-# How the derived matrices of a quantized model are stored (see the module docstring);
-# None keeps them float. Read when a layer is prepared (benchmarks.compare_quantized sets
-# other values to measure them).
-DERIVED_QUANTIZATION = {"group_size": 64, "bits": 8, "mode": "affine"}
+# How the derived matrices are stored: None = float, in the activation dtype (see the
+# module docstring); an mx.quantize spec ({"group_size", "bits", "mode"}) quantizes them
+# when the projections are quantized. Read when a layer is prepared;
+# benchmarks.compare_quantized sets specs to measure them.
+DERIVED_QUANTIZATION: Optional[dict] = None
 
 
 def _derived_linear(source: nn.Module, weight: mx.array) -> nn.Module:
-    """A bias-free Linear holding ``weight``: quantized to ``DERIVED_QUANTIZATION`` when the
-    projection it stands in for (``source``) is quantized and its input dim is a multiple
-    of the group size, else float."""
+    """A bias-free Linear holding ``weight`` (out, in): float, or quantized to
+    ``DERIVED_QUANTIZATION`` when that is set, the projection it stands in for (``source``)
+    is quantized, and ``in`` is a multiple of the group size."""
     out_dims, in_dims = weight.shape
     dense = nn.Linear(in_dims, out_dims, bias=False)
     dense.weight = weight
     spec = DERIVED_QUANTIZATION
-    if isinstance(source, nn.QuantizedLinear) and spec and in_dims % spec["group_size"] == 0:
+    if spec and isinstance(source, nn.QuantizedLinear) and in_dims % spec["group_size"] == 0:
         return nn.QuantizedLinear.from_linear(dense, **spec)
     return dense
 
