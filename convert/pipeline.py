@@ -78,7 +78,8 @@ class ConvertOptions:
         """
         bits, group = recipes.FIXED_MODES.get(self.q_mode, (4, 64))
         name = self.quant_recipe or (recipes.DEFAULT_RECIPE if self.q_mode == "affine" else "uniform")
-        return recipes.make_recipe(name, self.q_bits or bits, self.q_group_size or group,
+        return recipes.make_recipe(name, bits if self.q_bits is None else self.q_bits,
+                                   group if self.q_group_size is None else self.q_group_size,
                                    mode=self.q_mode)
 
 

@@ -19,6 +19,7 @@ what to do.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -190,14 +191,10 @@ def _check_offsets(name: str, entry: dict) -> None:
     if entry["dtype"] not in DTYPE_SIZES:
         raise ValueError(f"tensor {name!r} has unknown dtype {entry['dtype']!r}")
     begin, end = entry["data_offsets"]
-    count = 1
-    for n in entry["shape"]:
-        count *= n
-    if not 0 <= begin <= end or end - begin != count * DTYPE_SIZES[entry["dtype"]]:
-        raise ValueError(
-            f"tensor {name!r} has data offsets ({begin}, {end}), its shape "
-            f"{list(entry['shape'])} of {entry['dtype']} needs {count * DTYPE_SIZES[entry['dtype']]} bytes"
-        )
+    need = math.prod(entry["shape"]) * DTYPE_SIZES[entry["dtype"]]
+    if not 0 <= begin <= end or end - begin != need:
+        raise ValueError(f"tensor {name!r} has data offsets ({begin}, {end}), its shape "
+                         f"{list(entry['shape'])} of {entry['dtype']} needs {need} bytes")
 
 
 def check_weights(folder: Path) -> Dict[Path, Dict[str, TensorInfo]]:

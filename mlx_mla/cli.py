@@ -25,9 +25,13 @@ def str2bool(text: str) -> bool:
         f"expected true or false (or yes/no, on/off, 1/0), got {text!r}")
 
 
-def sampling_error(temp: float, top_p: float, min_p: float) -> Optional[str]:
+def sampling_error(temp: float, top_p: float, min_p: float,
+                   seed: Optional[int] = None) -> Optional[str]:
     """Why mlx-lm's sampler cannot take these settings, or None when it can: ``temp`` ≥ 0
-    (0 = greedy), ``top_p`` in (0, 1] (1 = off), ``min_p`` in [0, 1] (0 = off)."""
+    (0 = greedy), ``top_p`` in (0, 1] (1 = off), ``min_p`` in [0, 1] (0 = off), ``seed``
+    None or an unsigned 64-bit integer (``mx.random.seed``)."""
+    if seed is not None and not 0 <= seed < 2**64:
+        return f"--seed must be in [0, 2**64), got {seed}"
     if not temp >= 0:
         return f"--temp must be 0 (greedy) or more, got {temp}"
     if not 0 < top_p <= 1:

@@ -89,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
         return fail(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    problem = sampling_error(args.temp, args.top_p, args.min_p)
+    problem = sampling_error(args.temp, args.top_p, args.min_p, args.seed)
     if problem:
         return fail(problem)
     if args.seed is not None:

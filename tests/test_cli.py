@@ -66,6 +66,7 @@ def run_main(capsys, *argv):
         ("top_p_big", "--top-p must be in (0, 1]"),
         ("min_p_negative", "--min-p must be in [0, 1]"),
         ("min_p_big", "--min-p must be in [0, 1]"),
+        ("seed", "--seed must be in [0, 2**64)"),
         ("max_tokens", "--max-tokens must be at least 1"),
     ],
 )
@@ -104,7 +105,7 @@ def test_bad_input_is_one_line_and_nonzero(capsys, fixture_dir, tmp_path, case, 
     else:  # sampler ranges, as mlx-lm's make_sampler takes them
         flag, value = {"temp": ("--temp", -1), "top_p_0": ("--top-p", 0),
                        "top_p_big": ("--top-p", 1.5), "min_p_negative": ("--min-p", -0.1),
-                       "min_p_big": ("--min-p", 2)}[case]
+                       "min_p_big": ("--min-p", 2), "seed": ("--seed", -1)}[case]
         argv += [flag, value]
     rc, err = run_main(capsys, *argv)
     assert rc != 0
