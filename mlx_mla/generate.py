@@ -17,6 +17,9 @@ import mlx.core as mx
 
 from . import DEMO_MODEL
 from .attention import STRATEGIES
+from .cache import cache_bytes_per_token, quantized_codec
+from .cache import files as prompt_cache_files
+from .cache.files import PromptCacheError
 from .checkpoint import ModelLoadError
 from .cli import context_error, quiet_on_broken_pipe, sampling_error, str2bool
 from .dtypes import DTYPES
@@ -57,21 +60,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help=f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, "
                         "the checkpoint's on a GPU)")
+    add_cache_arguments(p)
+    p.add_argument("--prompt-cache-file", default=None,
+                   help="a prompt cache made by python -m mlx_mla.cache_prompt: the prompt "
+                        "continues it (with a chat template, as the next user message)")
     return p
 
 
-def encode_prompt(tokenizer, prompt: str, system_prompt: Optional[str], ignore_template: bool) -> List[int]:
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """mlx-lm's cache flags (same names and defaults as mlx_lm.generate)."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="bound the latent cache to this many tokens: the first 4 are kept, the "
+                        "rest rotate (mlx-lm's RotatingKVCache rule)")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="store c_kv quantized to this many bits (4 or 8) once the context passes "
+                        "--quantized-kv-start; default: unquantized")
+    p.add_argument("--kv-group-size", type=int, default=64,
+                   help="values per scale/bias of the quantized c_kv (default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                   help=f"with --kv-bits, quantize from this many tokens on "
+                        f"(default {DEFAULT_QUANTIZED_KV_START})")
+
+
+def encode_prompt(tokenizer, prompt: str, system_prompt: Optional[str], ignore_template: bool,
+                  continues_cache: bool = False) -> List[int]:
     """Token ids for the prompt, as mlx-lm's generate makes them.
 
     With a chat template the templated text already holds BOS, so it is encoded without
-    special tokens; a plain prompt gets the tokenizer's own (BOS prepended).
+    special tokens; a plain prompt gets the tokenizer's own (BOS prepended). When the prompt
+    continues a prompt cache, only what follows the cached text is encoded: with a template,
+    the part from the user message on (mlx-lm's "<query>" rule); without one, no BOS.
     """
     use_template = not ignore_template and tokenizer.has_chat_template
     if use_template:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(prompt, add_special_tokens=not use_template)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if continues_cache:
+            messages[-1]["content"] = "<query>"
+            probe = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = text[probe.index("<query>"):]
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt, add_special_tokens=not continues_cache)
+
+
+def make_cache(model, args) -> List:
+    """The latent cache the flags ask for: the --prompt-cache-file's (checked to fit the
+    model), or a new one bounded by --max-kv-size; --kv-bits / --kv-group-size checked
+    against the model (and against a quantized cache file) before anything runs.
+
+    Raises:
+        PromptCacheError, ValueError: one line each.
+    """
+    if args.kv_bits is not None:
+        quantized_codec(args.kv_group_size, args.kv_bits, model.args.kv_lora_rank)
+    if args.prompt_cache_file is None:
+        return model.make_cache(args.max_kv_size)
+    cache, _ = prompt_cache_files.load(args.prompt_cache_file, model)
+    codec = cache[0].codec
+    if codec.quantized and args.kv_bits is not None and (
+            codec.bits, codec.group_size) != (args.kv_bits, args.kv_group_size):
+        raise PromptCacheError(
+            f"--kv-bits {args.kv_bits} / --kv-group-size {args.kv_group_size} differ from the "
+            f"prompt cache's ({codec.bits} / {codec.group_size}): drop them or match them")
+    return cache
 
 
 def fail(message: str) -> int:
@@ -94,9 +148,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return fail(problem)
     if args.seed is not None:
         mx.random.seed(args.seed)
+    model_path = args.model
+    if args.prompt_cache_file is not None and model_path is None:
+        model_path = prompt_cache_files.named_model(args.prompt_cache_file)
     try:
-        model, tokenizer = load(args.model or DEMO_MODEL, args.mla_strategy, args.dtype)
-    except ModelLoadError as e:
+        model, tokenizer = load(model_path or DEMO_MODEL, args.mla_strategy, args.dtype)
+        cache = make_cache(model, args)
+    except (ModelLoadError, PromptCacheError, ValueError) as e:
         return fail(str(e))
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
@@ -105,25 +163,27 @@ def main(argv: Optional[List[str]] = None) -> int:
         why = ("--ignore-chat-template" if args.ignore_chat_template
                else "the tokenizer has no chat template")
         print(f"warning: --system-prompt is ignored: {why}", file=sys.stderr)
-    tokens = encode_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
-    problem = context_error(len(tokens), args.max_tokens, model.args.max_position_embeddings)
+    tokens = encode_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template,
+                           continues_cache=args.prompt_cache_file is not None)
+    problem = context_error(cache[0].offset + len(tokens), args.max_tokens,
+                            model.args.max_position_embeddings)
     if problem:
         return fail(problem)
 
-    cache = model.make_cache()
     sampler = make_sampler(args.temp, args.top_p, args.min_p)
     text = mlx_lm_generate(
         model, tokenizer, tokens, max_tokens=args.max_tokens, verbose=args.verbose,
-        sampler=sampler, prompt_cache=cache,
+        sampler=sampler, prompt_cache=cache, kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
     )
     if not args.verbose:
         print(text)
         return 0
-    positions = cache[0].offset
-    used = sum(c.used_nbytes for c in cache)
+    positions = cache[0].size()
+    per_token = cache_bytes_per_token(cache)
     print(
-        f"Latent cache: {used / 1e6:.3f} MB for {positions} tokens "
-        f"({used // max(positions, 1)} bytes/token, {len(cache)} layers), "
+        f"Latent cache: {per_token * positions / 1e6:.3f} MB for {positions} tokens "
+        f"({per_token:.0f} bytes/token, {len(cache)} layers), "
         f"MLA strategy: {args.mla_strategy}"
     )
     return 0
