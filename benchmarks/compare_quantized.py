@@ -14,7 +14,7 @@ choice), 8-bit at groups 32, 64 and 128, 4-bit/group 64, and at the folder's own
 quantization (bits, group, mode) — for a `uniform` folder exactly the earlier rule
 "quantized like the projections they replace".
 
-    python -m benchmarks.compare_quantized          # ~3 minutes on 2 cores
+    python -m benchmarks.compare_quantized          # ~1.5 minutes on 2 cores
 Writes benchmarks/results/compare_quantized.csv and compare_quantized.png; prints the
 README's table.
 """

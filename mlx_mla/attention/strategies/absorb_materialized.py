@@ -9,8 +9,8 @@ also in a quantized model: then the strategy computes what the others compute, a
 with mlx-lm as closely (max |Δlogit| ~2e-5 in float32 on every folder converted from the
 demo checkpoint). Re-quantizing them was measured (``python -m benchmarks.compare_quantized``):
 like the projections they replace, up to 4.3 max |Δlogit| on 2-bit folders (greedy tokens
-differing), 0.8-1.2 at 4-bit; at 8-bit affine still 0.03-0.24, varying with the group size
-and folder. The price is memory: float32 W_UQK + W_OUV are 134 MB per DeepSeek-V2-Lite
+differing), 0.7-1.2 at 4-bit; at 8-bit affine still 0.03-0.54, varying with the group size
+and folder, with greedy tokens differing on some. The price is memory: float32 W_UQK + W_OUV are 134 MB per DeepSeek-V2-Lite
 layer (``costs.materialized_extra_bytes``). They are this strategy's own (``prepare`` builds
 them, ``release`` drops them); the layer's weights are untouched.
 
