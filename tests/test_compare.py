@@ -159,3 +159,19 @@ def test_compare_passes_on_every_converted_folder(capsys, converted_folders, nam
     data = json.loads(out_json.read_text())
     assert data["quantized"] and [r["engine"] for r in data["results"]] == [
         f"mlx_mla {s}" for s in STRATEGIES]
+
+
+def test_requantized_derived_matrices_are_what_made_materialized_differ(converted_folders):
+    """benchmarks.compare_quantized's claim, on the 2-bit uniform folder: float derived
+    matrices agree with mlx-lm like the other strategies; re-quantized at the folder's bits
+    (the earlier rule) they do not, and the module default is restored afterwards."""
+    from benchmarks.compare_quantized import measure_folder
+    from mlx_mla.attention.strategies import absorb_materialized
+
+    rows = {(r["strategy"], r["derived"]): r
+            for r in measure_folder(converted_folders["2-uniform"], "ROMEO:", 8)}
+    assert absorb_materialized.DERIVED_QUANTIZATION is None
+    limit = compare.THRESHOLDS["float32"][0]
+    assert rows[("absorb-materialized", "float")]["max_abs_logit"] < limit
+    assert all(rows[(s, "")]["max_abs_logit"] < limit for s in ("naive", "absorb", "auto"))
+    assert rows[("absorb-materialized", "folder")]["max_abs_logit"] > 100 * limit
