@@ -33,7 +33,9 @@ second reports. With one layer, prefill computes only what the single layer cach
 ``--reuse-layers`` (2) folder, where the first layer's attention and MoE run over the prompt.
 
     python -m benchmarks.server_load          # ~18 minutes on a 2-core CPU (6 of them the 2-layer pair)
-Writes benchmarks/results/server_load.{csv,json,png}.
+Writes benchmarks/results/server_load_BLAS.{csv,json,png}, BLAS being the one both server
+processes multiplied with (``mlx_mla.blas``: "openblas" where ``mlx-mla[openblas]`` is
+installed, "reference" with ``MLX_MLA_BLAS=reference`` or without it; "gpu" on a GPU).
 """
 
 from __future__ import annotations
@@ -120,9 +122,13 @@ class _Watch:
     def dump_forever(self, period: float = 0.2) -> None:
         import mlx.core as mx
 
+        from mlx_mla import blas
+
+        kind = blas.describe()["kind"] if mx.default_device() == mx.cpu else "gpu"
         while True:
             with self.lock:
-                stats = {"weight_bytes": self.weights, "live_cache_peak_bytes": self.live_peak,
+                stats = {"blas": kind, "weight_bytes": self.weights,
+                         "live_cache_peak_bytes": self.live_peak,
                          "lru_cache_peak_bytes": self.lru_peak,
                          "cache_peak_bytes": self.cache_peak}
             stats["mlx_peak_bytes"] = mx.get_peak_memory()
@@ -202,7 +208,9 @@ class Server:
                 break
             except OSError:
                 time.sleep(1.0)
-        log(f"{engine}: server up in {time.perf_counter() - t0:.1f} s (port {self.port})")
+        self.blas = self.stats()["blas"]
+        log(f"{engine}: server up in {time.perf_counter() - t0:.1f} s (port {self.port}, "
+            f"BLAS {self.blas})")
 
     def reset_peaks(self) -> None:
         self.proc.send_signal(signal.SIGUSR1)
@@ -312,7 +320,8 @@ def reuse_phase(server: Server, prompt_tokens: int, config: Dict, rng: random.Ra
         out.append(stream_completion(server.port, prompt, 4))
     first, second = (r["arrivals"][0] - r["sent"] for r in out)
     details = out[1]["usage"].get("prompt_tokens_details") or {}
-    return {"engine": server.engine, "phase": "reuse", "layers": config["num_hidden_layers"],
+    return {"engine": server.engine, "blas": server.blas, "phase": "reuse",
+            "layers": config["num_hidden_layers"],
             "clients": 1,
             "prompt_tokens": prompt_tokens + SUFFIX_TOKENS, "ttft_first_s": first,
             "ttft_second_s": second, "ttft_speedup": first / second,
@@ -394,7 +403,7 @@ def run(config: Dict, workdir: Path, clients=(1, 4, 16), prompt_tokens: int = 20
     return rows
 
 
-FIELDS = ["engine", "phase", "layers", "clients", "prompt_tokens", "prompt_tokens_reported",
+FIELDS = ["engine", "blas", "phase", "layers", "clients", "prompt_tokens", "prompt_tokens_reported",
           "completion_tokens", "wall_s", "aggregate_tok_s", "ttft_p50_s", "ttft_p95_s",
           "token_latency_p50_s", "token_latency_p95_s", "weight_bytes", "cache_peak_bytes",
           "live_cache_peak_bytes", "lru_cache_peak_bytes", "mlx_peak_bytes", "rss_peak_bytes",
@@ -424,12 +433,17 @@ def main(argv=None) -> int:
         rows = run(one_moe_layer(V2_LITE, args.layers), Path(tmp), tuple(args.clients),
                    args.prompt_tokens, args.max_tokens, reuse,
                    log=lambda m: print(m, flush=True))
+    kinds = {r["blas"] for r in rows if "blas" in r}
+    if len(kinds) != 1:
+        raise SystemExit(f"error: the servers ran on different BLAS ({sorted(kinds)}): "
+                         "the ratios would not compare like with like")
+    stem = f"server_load_{kinds.pop()}"
     args.out.mkdir(parents=True, exist_ok=True)
-    write_csv(rows, args.out / "server_load.csv", FIELDS)
+    write_csv(rows, args.out / f"{stem}.csv", FIELDS)
     result = {"machine": machine_info(), "load": load_average(), "rows": rows,
               "ratios": ratios(rows), "seconds": time.perf_counter() - t0}
-    (args.out / "server_load.json").write_text(json.dumps(result, indent=2))
-    plot(rows, args.out / "server_load.png")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(rows, args.out / f"{stem}.png")
     print(json.dumps(result["ratios"], indent=2))
     return 0
 

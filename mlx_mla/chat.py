@@ -21,6 +21,7 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .cache import cache_bytes_per_token
 from .checkpoint import ModelLoadError
+from .cli import quiet_on_broken_pipe, sampling_error
 from .dtypes import DTYPES
 from .generate import encode_prompt
 from .loader import load
@@ -171,6 +172,7 @@ def make_ui(args: argparse.Namespace):
     return MLAChatUI(args)
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the REPL until q or end of input; returns the exit status (1 with one
     ``error:`` line on stderr when it cannot start)."""
@@ -186,6 +188,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "mlx_mla.chat yet: run it as one process without --pipeline")
     if args.max_tokens < 1:
         return fail(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    error = sampling_error(args.temp, args.top_p, 0.0, args.seed)
+    if error:
+        return fail(error)
     mx.random.seed(args.seed)
     args.model = args.model or str(DEMO_MODEL)
     try:

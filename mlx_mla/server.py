@@ -47,6 +47,7 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .cache import quantized_codec
 from .checkpoint import ModelLoadError
+from .cli import sampling_error
 from .dtypes import DTYPES
 from .loader import load
 
@@ -331,6 +332,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(
             "distributed serving (--pipeline, mlx.launch ranks) is not available in "
             "mlx_mla.server yet: run it as one process without --pipeline")
+    error = sampling_error(args.temp, args.top_p, args.min_p)
+    if error:
+        raise ValueError(error)
+    if args.top_k < 0:
+        raise ValueError(f"--top-k must be 0 (off) or more, got {args.top_k}")
     if not isinstance(args.chat_template_args, dict):
         raise ValueError("--chat-template-args must be a JSON object")
     for flag in ("max_tokens", "decode_concurrency", "prompt_concurrency",

@@ -100,6 +100,7 @@ def test_the_repl_from_the_shell(demo, fixture_dir):
     (["--pipeline"], "distributed chat (--pipeline, mlx.launch ranks) is not available"),
     (["--adapter-path", "lora"], "--adapter-path is not supported by mlx-mla"),
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--temp", "-1"], "--temp must be 0 (greedy) or more"),
     (["--max-kv-size", "2"], "max_kv_size 2 must be larger than the 4 tokens always kept"),
 ])
 def test_bad_flags_are_one_line(capsys, argv, expected):

@@ -31,6 +31,7 @@ def test_rows_ratios_and_plot(tmp_path):
     by = {(r["engine"], r["clients"]): r for r in load}
     assert by["mlx_mla", 1]["live_cache_peak_bytes"] == 256 * (64 + 64) * 4
     assert by["mlx-lm", 1]["live_cache_peak_bytes"] == 256 * 2 * (128 + 64) * 4
+    assert len({r["blas"] for r in rows}) == 1  # both servers on this process's BLAS
     reuse = [r for r in rows if r["phase"] == "reuse"]
     assert [r["engine"] for r in reuse] == list(bench.ENGINES)
     assert all(r["cached_tokens_second"] == 40 for r in reuse)

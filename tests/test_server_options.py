@@ -98,6 +98,8 @@ def test_allow_other_models_loads_the_named_one(bounded_server, demo):
     (["--pipeline"], "distributed serving (--pipeline, mlx.launch ranks) is not available"),
     (["--chat-template-args", "[1]"], "--chat-template-args must be a JSON object"),
     (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-2"], "--top-k must be 0 (off) or more"),
     (["--model", "/nowhere/model"], "/nowhere/model"),
     (["--max-kv-size", "3"], "max_kv_size 3 must be larger than the 4 tokens always kept"),
     (["--kv-bits", "7"], "kv bits 7 is not supported"),
