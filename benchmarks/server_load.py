@@ -32,7 +32,7 @@ second reports. With one layer, prefill computes only what the single layer cach
 (mlx-lm's prefill evaluates the cache state), so the same pair is also measured on a
 ``--reuse-layers`` (2) folder, where the first layer's attention and MoE run over the prompt.
 
-    python -m benchmarks.server_load          # ~18 minutes on a 2-core CPU (6 of them the 2-layer pair)
+    python -m benchmarks.server_load          # 14-18 minutes on a 2-core CPU
 Writes benchmarks/results/server_load_BLAS.{csv,json,png}, BLAS being the one both server
 processes multiplied with (``mlx_mla.blas``: "openblas" where ``mlx-mla[openblas]`` is
 installed, "reference" with ``MLX_MLA_BLAS=reference`` or without it; "gpu" on a GPU).
