@@ -4,13 +4,15 @@ Flags, prompt handling (chat template, then encoding without special tokens so B
 once), sampler and the generate loop are mlx-lm's own (``mlx_lm.generate``,
 ``mlx_lm.sample_utils.make_sampler``); we add ``--mla-strategy`` and ``--dtype`` and report
 the latent cache's size. With no ``--model``, it runs the demo checkpoint shipped in the
-package.
+package. Under ``mlx.launch`` (2+ ranks) every rank loads its part (``--pipeline``, or tensor
+parallel, ``mlx_mla.distributed``) and runs the same loop; rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import List, Optional
 
 import mlx.core as mx
@@ -19,6 +21,7 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .checkpoint import ModelLoadError
 from .dtypes import DTYPES
+from .distributed import load_sharded
 from .loader import load
 
 DEFAULT_PROMPT = "ROMEO:"
@@ -54,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help=f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, "
                         "the checkpoint's on a GPU)")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--pipeline", action="store_true",
+                       help="under mlx.launch: split the decoder layers across the ranks, "
+                            "each reading only its layers' files and caching only its layers")
+    split.add_argument("--tensor-parallel", action="store_true",
+                       help="under mlx.launch: split every layer across the ranks by heads "
+                            "and expert widths (the default when launched on 2+ ranks, as "
+                            "in mlx-lm)")
     return p
 
 
@@ -84,12 +95,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
         return fail(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    group = mx.distributed.init()
+    rank, size = group.rank(), group.size()
+    if size > 1:
+        # Every rank samples from the same logits: with one seed they pick the same tokens.
+        args.seed = agreed_seed(group, args.seed)
     if args.seed is not None:
         mx.random.seed(args.seed)
     try:
-        model, tokenizer = load(args.model or DEMO_MODEL, args.mla_strategy, args.dtype)
+        if size > 1:
+            split = {"pipeline_group": group} if args.pipeline else {"tensor_group": group}
+            model, tokenizer = load_sharded(
+                args.model or DEMO_MODEL, mla_strategy=args.mla_strategy, dtype=args.dtype,
+                **split)
+        else:
+            model, tokenizer = load(args.model or DEMO_MODEL, args.mla_strategy, args.dtype)
     except ModelLoadError as e:
         return fail(str(e))
+    verbose = args.verbose and rank == 0
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -104,20 +127,43 @@ def main(argv: Optional[List[str]] = None) -> int:
     cache = model.make_cache()
     sampler = make_sampler(args.temp, args.top_p, args.min_p)
     text = mlx_lm_generate(
-        model, tokenizer, tokens, max_tokens=args.max_tokens, verbose=args.verbose,
+        model, tokenizer, tokens, max_tokens=args.max_tokens, verbose=verbose,
         sampler=sampler, prompt_cache=cache,
     )
-    if not args.verbose:
+    if size > 1:
+        # mlx-lm's loop leaves the step after the last token in flight, with its collectives:
+        # let every rank finish it before any exits and closes its sockets.
+        mx.synchronize()
+        mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
+    if rank != 0:
+        return 0
+    if not verbose:
         print(text)
         return 0
     positions = cache[0].offset
     used = sum(c.used_nbytes for c in cache)
+    where = ""
+    if size > 1 and args.pipeline:
+        m = model.model
+        where = (f" on rank 0 of {size} (pipeline: layers {m.start_idx}-{m.end_idx - 1} of "
+                 f"{len(m.layers)}; each rank caches its own layers)")
+    elif size > 1:
+        where = (f" on each of {size} ranks (tensor parallel: every rank caches every "
+                 f"layer's whole latent)")
     print(
         f"Latent cache: {used / 1e6:.3f} MB for {positions} tokens "
-        f"({used // max(positions, 1)} bytes/token, {len(cache)} layers), "
+        f"({used // max(positions, 1)} bytes/token, {len(cache)} layers){where}, "
         f"MLA strategy: {args.mla_strategy}"
     )
     return 0
+
+
+def agreed_seed(group, seed: Optional[int]) -> int:
+    """``seed`` if given, else rank 0's random one, the same on every rank of ``group``."""
+    if seed is not None:
+        return seed
+    mine = int(time.time_ns() % 2**31) if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu).item())
 
 
 if __name__ == "__main__":

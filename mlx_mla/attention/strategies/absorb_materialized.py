@@ -25,9 +25,10 @@ from .base import Strategy, latent_attention
 
 
 def dense_weight(linear: nn.Module) -> mx.array:
-    """The float weight (out, in) of a Linear or QuantizedLinear (dequantized with float32
-    scales, so bfloat16 scales do not round the result)."""
-    if isinstance(linear, nn.QuantizedLinear):
+    """The float weight (out, in) of a Linear or QuantizedLinear, or of their tensor-parallel
+    forms (this rank's part), dequantized with float32 scales, so bfloat16 scales do not
+    round the result."""
+    if "scales" in linear:
         biases = linear.get("biases")
         return mx.dequantize(
             linear.weight, linear.scales.astype(mx.float32),
@@ -38,13 +39,30 @@ def dense_weight(linear: nn.Module) -> mx.array:
 
 
 def _like(linear: nn.Module, weight: mx.array) -> nn.Module:
-    """A bias-free Linear holding ``weight``, quantized the way ``linear`` is (if it is)."""
+    """A bias-free Linear holding ``weight``, quantized the way ``linear`` is (if it is).
+
+    When ``linear`` is a tensor-parallel ``o_proj`` (``nn.ShardedToAllLinear`` or its
+    quantized form), ``weight`` is this rank's (hidden, heads_here·r) part and the layer is
+    of that kind too: its products are all-summed over the group, then the bias added.
+    """
     out_dims, in_dims = weight.shape
-    dense = nn.Linear(in_dims, out_dims, bias=False)
-    dense.weight = weight
-    if isinstance(linear, nn.QuantizedLinear) and in_dims % linear.group_size == 0:
-        return nn.QuantizedLinear.from_linear(dense, linear.group_size, linear.bits, linear.mode)
-    return dense
+    layer = nn.Linear(in_dims, out_dims, bias=False)
+    layer.weight = weight
+    quantized = "scales" in linear and in_dims % linear.group_size == 0
+    if quantized:
+        layer = nn.QuantizedLinear.from_linear(layer, linear.group_size, linear.bits, linear.mode)
+    if not isinstance(linear, (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)):
+        return layer
+    group = linear.group
+    if quantized:
+        sharded = nn.QuantizedShardedToAllLinear(
+            in_dims * group.size(), out_dims, bias=False, group_size=linear.group_size,
+            bits=linear.bits, mode=linear.mode, group=group,
+        )
+    else:
+        sharded = nn.ShardedToAllLinear(in_dims * group.size(), out_dims, bias=False, group=group)
+    sharded.update(layer.parameters())
+    return sharded
 
 
 class AbsorbMaterialized(Strategy):
