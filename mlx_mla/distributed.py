@@ -131,11 +131,14 @@ def check_group_size(args: ModelArgs, size: int, mode: str) -> None:
     if why is None:
         return
     limit = args.num_hidden_layers if mode == "pipeline" else args.num_attention_heads
-    fits = [n for n in range(1, limit + 1) if problem(args, n) is None]
-    counts = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1])
+    fits = [n for n in range(2, limit + 1) if problem(args, n) is None]
     kind = "pipeline" if mode == "pipeline" else "tensor-parallel"
-    raise ModelLoadError(f"cannot split the model over {size} {kind} ranks: {why}; "
-                         f"use {counts} ranks")
+    if fits:
+        counts = ", ".join(map(str, fits[:-1])) + (" or " if len(fits) > 1 else "") + str(fits[-1])
+        advice = f"use {counts} ranks"
+    else:
+        advice = "run it on one rank" + ("" if mode == "pipeline" else ", or with --pipeline")
+    raise ModelLoadError(f"cannot split the model over {size} {kind} ranks: {why}; {advice}")
 
 
 def rank_weight_files(folder: Path, layers: Optional[range]) -> List[str]:
