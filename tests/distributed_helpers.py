@@ -17,11 +17,9 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 import mlx.core as mx
-
-from mlx_mla.distributed import layer_of
 
 # Ranks get this long (s) before they count as hung; a run here takes ~10 s on 2 cores.
 TIMEOUT = 240
@@ -44,27 +42,6 @@ def free_ports(n: int) -> List[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def consecutive_free_ports(n: int) -> int:
-    """A first port p with p .. p+n-1 free on 127.0.0.1 (``mlx.launch --starting-port``)."""
-    import random
-
-    for _ in range(100):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 def run_ranks(n: int, argv: Sequence[str], timeout: float = TIMEOUT) -> List[RankResult]:
@@ -114,30 +91,6 @@ def greedy(model, prompt: List[int], n: int):
         logprobs.append(np.array(lp.astype(mx.float32)))
     mx.synchronize(generation_stream)
     return tokens, np.stack(logprobs)
-
-
-def reshard_by_layer(src: Path, dst: Path) -> Dict[str, List[str]]:
-    """``src`` (a Hugging Face folder) copied to ``dst`` with its weights re-sharded into one
-    file per decoder layer plus ``model-rest.safetensors`` (embeddings, norm, head) and an
-    index, so which file a rank opens says which layers it read.
-    Returns {file name: tensor names}."""
-    dst.mkdir(parents=True)
-    tensors = {}
-    for f in sorted(src.glob("model*.safetensors")):
-        tensors.update(mx.load(str(f)))
-    files: Dict[str, List[str]] = {}
-    for name in tensors:
-        i = layer_of(name)
-        file = "model-rest.safetensors" if i is None else f"model-layer{i:02d}.safetensors"
-        files.setdefault(file, []).append(name)
-    for file, names in files.items():
-        mx.save_safetensors(str(dst / file), {k: tensors[k] for k in names}, {"format": "pt"})
-    index = {"metadata": {}, "weight_map": {k: f for f, ks in files.items() for k in ks}}
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
-    for p in src.iterdir():
-        if not p.name.startswith("model"):
-            (dst / p.name).write_bytes(p.read_bytes())
-    return files
 
 
 def partial_copy(src: Path, dst: Path, weight_files: Sequence[str]) -> Path:

@@ -13,8 +13,8 @@ which safetensors files it opened (Python's ``open``, through an audit hook, and
 for a Hub id, which files it fetched. Then, per strategy: the prompt's logits in one
 forward pass and ``max_tokens`` greedy tokens with their log probabilities
 (``distributed_helpers.greedy``). Rank 0 writes those to OUT/RUN-STRATEGY.npz; every rank
-writes OUT/rankR.json (files opened and fetched, its layers, its latent-cache bytes per token;
-or the load error's message).
+writes OUT/rankR.json (files opened and fetched, its layers, its parameter bytes, its
+latent-cache bytes per token; or the load error's message).
 """
 
 import os
@@ -37,6 +37,7 @@ from pathlib import Path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 _mx_load = mx.load
 
@@ -108,6 +109,7 @@ def main(spec_file: str) -> None:
         report[run["name"]] = {
             "opened": opened, "fetched": sorted(set(fetched)),
             "layers": [m.start_idx, m.end_idx if m.end_idx is not None else len(m.layers)],
+            "weight_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
             "cache_bytes_per_token": cache_bytes_per_token(cache),
         }
     (out / f"rank{rank}.json").write_text(json.dumps(report))

@@ -21,9 +21,10 @@ import pytest
 
 import mlx_mla
 from convert_helpers import run_cli
-from distributed_helpers import (
-    TIMEOUT, consecutive_free_ports, greedy, partial_copy, reshard_by_layer, run_ranks,
+from benchmarks.distributed import (
+    free_port_pair, rank_cache_bytes_per_token, rank_weight_bytes, reshard_by_layer,
 )
+from distributed_helpers import TIMEOUT, greedy, partial_copy, run_ranks
 from mlx_mla.cache import cache_bytes_per_token
 from mlx_mla.generate import main
 from reference import make_checkpoint
@@ -177,6 +178,20 @@ def test_tensor_parallel_keeps_whole_latent_cache(two_ranks, single, case):
         assert report["cache_bytes_per_token"] == single[case, "auto"][3]
 
 
+@pytest.mark.parametrize("case, bits", [("demo-q4", 4), ("tiny-q", None)])
+def test_sizes_from_shapes_match_the_ranks(two_ranks, folders, case, bits):
+    """``benchmarks.distributed`` sizes each rank's parameters and cache from shapes alone
+    (for the README's table of what fits on N Macs): what the ranks loaded and cached."""
+    _, _, reports = two_ranks
+    config = json.loads((folders[case] / "config.json").read_text())
+    for split in ("pipeline", "tensor"):
+        got = [reports[rank][f"{split}-{case}"] for rank in range(2)]
+        assert rank_weight_bytes("mlx_mla", config, 2, split, bits=bits, dtype=mx.float32) == \
+            [g["weight_bytes"] for g in got]
+        assert rank_cache_bytes_per_token("mlx_mla", config, 2, split, itemsize=4) == \
+            [g["cache_bytes_per_token"] for g in got]
+
+
 def test_pipeline_ranks_open_and_fetch_only_their_files(two_ranks, folders):
     """Instrumented file access: each pipeline rank opened (and, from the Hub, fetched) exactly
     the weight files holding its layers, the embeddings, norm and head; under tensor
@@ -226,7 +241,7 @@ def test_generate_command_under_mlx_launch(capsys):
     launcher = Path(sys.executable).parent / "mlx.launch"
     launched = subprocess.run(
         [str(launcher), "-n", "2", "--backend", "ring", "--hosts", "127.0.0.1",
-         "--starting-port", str(consecutive_free_ports(2)), "--", sys.executable,
+         "--starting-port", str(free_port_pair()), "--", sys.executable,
          "-m", "mlx_mla.generate", "--pipeline", *argv],
         capture_output=True, text=True, timeout=TIMEOUT,
     )
