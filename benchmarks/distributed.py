@@ -44,7 +44,7 @@ from mlx.utils import tree_flatten
 
 from mlx_mla.attention.costs import step_costs
 from mlx_mla.config import ModelArgs
-from mlx_mla.distributed import layer_of, pipeline_problem, pipeline_range, tensor_parallel_problem
+from mlx_mla.distributed import barrier, layer_of, pipeline_problem, pipeline_range, tensor_parallel_problem
 from mlx_mla.dtypes import cast_floating
 
 from .common import RESULTS, ROOT, V2, V2_LITE, machine_info, with_layers, write_csv
@@ -225,7 +225,7 @@ def worker(spec_file: Path) -> None:
     load = mx.load
 
     def recording_load(file, *args, **kwargs):
-        opened.append(str(file))
+        opened.append(Path(file).resolve())  # mlx_mla reads through links it then removes
         return load(file, *args, **kwargs)
 
     mx.load = recording_load
@@ -236,7 +236,7 @@ def worker(spec_file: Path) -> None:
     cache = make_prompt_cache(model)
     model(prompt, cache=cache)
     mx.eval([c.state for c in cache])
-    files = {Path(f).resolve() for f in opened}
+    files = set(opened)
     row = {"engine": spec["engine"], "split": spec["split"], "ranks": world.size(),
            "rank": world.rank(), "layers": len(cache), "weight_bytes": weight_bytes(model),
            "cache_bytes_per_token": cache_bytes_per_token(cache),
@@ -244,6 +244,7 @@ def worker(spec_file: Path) -> None:
     row.update(decode(model, cache, spec["steps"]))
     out = Path(spec["out"]) / f"{spec['engine']}-{spec['split']}-rank{world.rank()}.json"
     out.write_text(json.dumps(row))
+    barrier(world)
 
 
 def launch(engine: str, split: str, folder: Path, out: Path, steps: int,
@@ -300,8 +301,9 @@ def measure(workdir: Path, layers: int, steps: int, prompt_tokens: int, log=prin
     for engine in ENGINES:
         for split in SPLITS:
             t = time.time()
-            rows += launch(engine, split, workdir / "model", out, steps, prompt_tokens)
-            log(f"{engine} {split}: {rows[-1]['decode_tps']:.2f} tok/s on rank {rows[-1]['rank']} "
+            ranks = launch(engine, split, workdir / "model", out, steps, prompt_tokens)
+            rows += ranks
+            log(f"{engine} {split}: {ranks[0]['decode_tps']:.2f} tok/s on rank 0 "
                 f"({time.time() - t:.0f} s)")
     return rows
 

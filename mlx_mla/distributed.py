@@ -250,6 +250,17 @@ def agree(group, error: Optional[ModelLoadError]) -> None:
                              f"this rank stops too")
 
 
+def barrier(group) -> None:
+    """Wait for this rank's pending work (mlx-lm's generation stream, which can hold a step in
+    flight, and the default stream), then for every rank of ``group`` to get here: a rank
+    that exited earlier would close the sockets its peers are still exchanging data on."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
+
+
 def _view(folder: Path, weight_files: List[str], into: Path) -> Path:
     """``into`` with links to ``folder``'s files, of its weights only ``weight_files``: what
     mlx-lm's ``load_model`` (which reads every ``model*.safetensors`` of a folder) then reads."""
@@ -344,4 +355,4 @@ def load_sharded(
 
 
 __all__ = ["load_sharded", "shard_model", "check_group_size", "pipeline_range",
-           "rank_weight_files", "rank_weights", "layer_of", "agree"]
+           "rank_weight_files", "rank_weights", "layer_of", "agree", "barrier"]

@@ -21,7 +21,7 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .checkpoint import ModelLoadError
 from .dtypes import DTYPES
-from .distributed import load_sharded
+from .distributed import barrier, load_sharded
 from .loader import load
 
 DEFAULT_PROMPT = "ROMEO:"
@@ -131,10 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sampler=sampler, prompt_cache=cache,
     )
     if size > 1:
-        # mlx-lm's loop leaves the step after the last token in flight, with its collectives:
-        # let every rank finish it before any exits and closes its sockets.
-        mx.synchronize()
-        mx.eval(mx.distributed.all_sum(mx.array(1), group=group, stream=mx.cpu))
+        barrier(group)  # no rank exits while another still needs its sockets
     if rank != 0:
         return 0
     if not verbose:

@@ -52,7 +52,7 @@ mx.load = _recording_load
 from distributed_helpers import greedy  # noqa: E402
 from mlx_mla import ModelLoadError  # noqa: E402
 from mlx_mla.cache import cache_bytes_per_token  # noqa: E402
-from mlx_mla.distributed import load_sharded  # noqa: E402
+from mlx_mla.distributed import barrier, load_sharded  # noqa: E402
 
 
 def fake_hub(sources, into: Path, fetched: list):
@@ -113,6 +113,7 @@ def main(spec_file: str) -> None:
             "cache_bytes_per_token": cache_bytes_per_token(cache),
         }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+    barrier(world)
 
 
 if __name__ == "__main__":
