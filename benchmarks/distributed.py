@@ -158,6 +158,32 @@ def fit_table(models: Dict[str, dict] = MODELS, ranks=(2, 3, 4), macs=MAC_GB,
     return rows
 
 
+def _count(n: Optional[int]) -> str:
+    if n is None:
+        return "—"
+    for unit, div in (("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def fit_markdown(rows: List[dict]) -> str:
+    """The README's table: per model, split and rank count, the fullest rank's weights and,
+    per Mac size, tokens of cache room on every rank, mlx_mla / mlx-lm ("—": the weights do
+    not fit)."""
+    macs = sorted({r["mac_gb"] for r in rows})
+    head = ["model (4-bit)", "split", "Macs", "weights per Mac"] + [f"{m} GB Macs" for m in macs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keyed = {(r["model"], r["split"], r["ranks"], r["mac_gb"]): r for r in rows}
+    for model, split, n in dict.fromkeys((r["model"], r["split"], r["ranks"]) for r in rows):
+        first = keyed[model, split, n, macs[0]]
+        cells = [f"{_count(keyed[model, split, n, m]['mlx_mla_tokens'])} / "
+                 f"{_count(keyed[model, split, n, m]['mlx_lm_tokens'])}" for m in macs]
+        lines.append(f"| {model} | {split} | {n} | {first['mlx_mla_weights_gb']:.1f} GB | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- the measured model
 
 
@@ -364,6 +390,7 @@ def main(argv=None) -> int:
     fit = fit_table()
     write_csv(fit, args.out / "distributed_fit.csv")
     if args.fit_only:
+        print(fit_markdown(fit))
         print(f"wrote {args.out / 'distributed_fit.csv'}")
         return 0
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
