@@ -172,7 +172,7 @@ def fit_markdown(rows: List[dict]) -> str:
     per Mac size, tokens of cache room on every rank, mlx_mla / mlx-lm ("—": the weights do
     not fit)."""
     macs = sorted({r["mac_gb"] for r in rows})
-    head = ["model (4-bit)", "split", "Macs", "weights per Mac"] + [f"{m} GB Macs" for m in macs]
+    head = ["model (4-bit)", "split", "Macs", "mlx_mla weights per Mac"] + [f"{m} GB Macs" for m in macs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keyed = {(r["model"], r["split"], r["ranks"], r["mac_gb"]): r for r in rows}
     for model, split, n in dict.fromkeys((r["model"], r["split"], r["ranks"]) for r in rows):
