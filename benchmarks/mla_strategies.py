@@ -111,15 +111,15 @@ def filled_cache(kind: str, config: Dict, S: int, spare: int, seed: int = 1):
     n = S + spare
     if kind == "latent":
         cache = LatentCache()
-        cache.c_kv, cache.k_pe = _rand((1, n, r), seed), _rand((1, n, dr), seed + 1)
+        cache.update_and_fetch(_rand((1, n, r), seed), _rand((1, n, dr), seed + 1))
     else:
         cache = KVCache()
         if kind == "v2":
-            cache.keys, cache.values = _rand((1, H, n, dn + dr), seed), _rand((1, H, n, dv), seed + 1)
+            cache.update_and_fetch(_rand((1, H, n, dn + dr), seed), _rand((1, H, n, dv), seed + 1))
         else:
-            cache.keys, cache.values = _rand((1, 1, n, r), seed), _rand((1, 1, n, dr), seed + 1)
-    mx.eval(*(cache.state if kind == "latent" else (cache.keys, cache.values)))
-    cache.offset = S
+            cache.update_and_fetch(_rand((1, 1, n, r), seed), _rand((1, 1, n, dr), seed + 1))
+    mx.eval(cache.state)
+    cache.trim(spare)  # S positions; the room for ``spare`` more stays allocated
     return cache
 
 
@@ -132,9 +132,11 @@ def cache_bytes(kind: str, config: Dict, S: int) -> int:
 
 
 def _step_fn(layer, cache, x, mask, S):
+    L = x.shape[1]
+
     def fn():
-        cache.offset = S  # every call appends at position S (the cache has room)
         mx.eval(layer(x, mask, cache))
+        cache.trim(L)  # back to S positions: every call appends at position S (there is room)
     return fn
 
 

@@ -19,6 +19,9 @@ import mlx.core as mx
 
 from . import DEMO_MODEL
 from .attention import STRATEGIES
+from .cache import cache_bytes_per_token, quantized_codec
+from .cache import files as prompt_cache_files
+from .cache.files import PromptCacheError
 from .checkpoint import ModelLoadError
 from .dtypes import DTYPES
 from .distributed import barrier, load_sharded
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help=f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, "
                         "the checkpoint's on a GPU)")
+    add_cache_arguments(p)
+    p.add_argument("--prompt-cache-file", default=None,
+                   help="a prompt cache made by python -m mlx_mla.cache_prompt: the prompt "
+                        "continues it (with a chat template, as the next user message)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--pipeline", action="store_true",
                        help="under mlx.launch: split the decoder layers across the ranks, "
@@ -68,18 +75,65 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def encode_prompt(tokenizer, prompt: str, system_prompt: Optional[str], ignore_template: bool) -> List[int]:
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """mlx-lm's cache flags (same names and defaults as mlx_lm.generate)."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="bound the latent cache to this many tokens: the first 4 are kept, the "
+                        "rest rotate (mlx-lm's RotatingKVCache rule)")
+    p.add_argument("--kv-bits", type=int, default=None,
+                   help="store c_kv quantized to this many bits (4 or 8) once the context passes "
+                        "--quantized-kv-start; default: unquantized")
+    p.add_argument("--kv-group-size", type=int, default=64,
+                   help="values per scale/bias of the quantized c_kv (default 64)")
+    p.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                   help=f"with --kv-bits, quantize from this many tokens on "
+                        f"(default {DEFAULT_QUANTIZED_KV_START})")
+
+
+def encode_prompt(tokenizer, prompt: str, system_prompt: Optional[str], ignore_template: bool,
+                  continues_cache: bool = False) -> List[int]:
     """Token ids for the prompt, as mlx-lm's generate makes them.
 
     With a chat template the templated text already holds BOS, so it is encoded without
-    special tokens; a plain prompt gets the tokenizer's own (BOS prepended).
+    special tokens; a plain prompt gets the tokenizer's own (BOS prepended). When the prompt
+    continues a prompt cache, only what follows the cached text is encoded: with a template,
+    the part from the user message on (mlx-lm's "<query>" rule); without one, no BOS.
     """
     use_template = not ignore_template and tokenizer.has_chat_template
     if use_template:
         messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(prompt, add_special_tokens=not use_template)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if continues_cache:
+            messages[-1]["content"] = "<query>"
+            probe = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = text[probe.index("<query>"):]
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt, add_special_tokens=not continues_cache)
+
+
+def make_cache(model, args) -> List:
+    """The latent cache the flags ask for: the --prompt-cache-file's (checked to fit the
+    model), or a new one bounded by --max-kv-size; --kv-bits / --kv-group-size checked
+    against the model (and against a quantized cache file) before anything runs.
+
+    Raises:
+        PromptCacheError, ValueError: one line each.
+    """
+    if args.kv_bits is not None:
+        quantized_codec(args.kv_group_size, args.kv_bits, model.args.kv_lora_rank)
+    if args.prompt_cache_file is None:
+        return model.make_cache(args.max_kv_size)
+    cache, _ = prompt_cache_files.load(args.prompt_cache_file, model)
+    codec = cache[0].codec
+    if codec.quantized and args.kv_bits is not None and (
+            codec.bits, codec.group_size) != (args.kv_bits, args.kv_group_size):
+        raise PromptCacheError(
+            f"--kv-bits {args.kv_bits} / --kv-group-size {args.kv_group_size} differ from the "
+            f"prompt cache's ({codec.bits} / {codec.group_size}): drop them or match them")
+    return cache
 
 
 def fail(message: str) -> int:
@@ -102,33 +156,42 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.seed = agreed_seed(group, args.seed)
     if args.seed is not None:
         mx.random.seed(args.seed)
+    model_path = args.model
+    if args.prompt_cache_file is not None and model_path is None:
+        model_path = prompt_cache_files.named_model(args.prompt_cache_file)
     try:
         if size > 1:
+            if args.prompt_cache_file is not None:
+                raise ValueError("--prompt-cache-file is for one process: a run over several "
+                                 "ranks starts from an empty cache")
             split = {"pipeline_group": group} if args.pipeline else {"tensor_group": group}
             model, tokenizer = load_sharded(
-                args.model or DEMO_MODEL, mla_strategy=args.mla_strategy, dtype=args.dtype,
+                model_path or DEMO_MODEL, mla_strategy=args.mla_strategy, dtype=args.dtype,
                 **split)
         else:
-            model, tokenizer = load(args.model or DEMO_MODEL, args.mla_strategy, args.dtype)
-    except ModelLoadError as e:
+            model, tokenizer = load(model_path or DEMO_MODEL, args.mla_strategy, args.dtype)
+        cache = make_cache(model, args)
+    except (ModelLoadError, PromptCacheError, ValueError) as e:
         return fail(str(e))
     verbose = args.verbose and rank == 0
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
-    tokens = encode_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template)
+    tokens = encode_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template,
+                           continues_cache=args.prompt_cache_file is not None)
     limit = model.args.max_position_embeddings
-    if len(tokens) + args.max_tokens > limit:
+    cached = cache[0].offset
+    if cached + len(tokens) + args.max_tokens > limit:
         return fail(
-            f"prompt ({len(tokens)} tokens) + --max-tokens ({args.max_tokens}) exceeds the "
-            f"model's context of {limit} tokens: shorten the prompt or lower --max-tokens"
+            f"prompt ({cached + len(tokens)} tokens) + --max-tokens ({args.max_tokens}) exceeds "
+            f"the model's context of {limit} tokens: shorten the prompt or lower --max-tokens"
         )
 
-    cache = model.make_cache()
     sampler = make_sampler(args.temp, args.top_p, args.min_p)
     text = mlx_lm_generate(
         model, tokenizer, tokens, max_tokens=args.max_tokens, verbose=verbose,
-        sampler=sampler, prompt_cache=cache,
+        sampler=sampler, prompt_cache=cache, kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
     )
     if size > 1:
         barrier(group)  # no rank exits while another still needs its sockets
@@ -137,8 +200,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not verbose:
         print(text)
         return 0
-    positions = cache[0].offset
-    used = sum(c.used_nbytes for c in cache)
+    positions = cache[0].size()
+    per_token = cache_bytes_per_token(cache)
     where = ""
     if size > 1 and args.pipeline:
         m = model.model
@@ -148,8 +211,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         where = (f" on each of {size} ranks (tensor parallel: every rank caches every "
                  f"layer's whole latent)")
     print(
-        f"Latent cache: {used / 1e6:.3f} MB for {positions} tokens "
-        f"({used // max(positions, 1)} bytes/token, {len(cache)} layers){where}, "
+        f"Latent cache: {per_token * positions / 1e6:.3f} MB for {positions} tokens "
+        f"({per_token:.0f} bytes/token, {len(cache)} layers){where}, "
         f"MLA strategy: {args.mla_strategy}"
     )
     return 0

@@ -15,7 +15,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.pipeline import PipelineMixin
 
 from .attention import MLAttention, make_strategy
-from .cache import LatentCache
+from .cache import LatentCache, RotatingLatentCache
 from .config import ModelArgs
 from .moe import MLP, MoE
 from . import weights as _weights
@@ -87,9 +87,11 @@ class DeepseekV2Model(PipelineMixin, nn.Module):
         if rank != 0:
             h = mx.distributed.send(h, rank - 1, group=group)
             # mlx-lm's prefill evaluates only the caches: tie the send to this rank's last
-            # cache so it happens then too (else rank - 1 would wait for it forever).
+            # cache (its first store's keys, as mlx-lm ties it to a KVCache's) so it happens
+            # then too, else rank - 1 would wait for it forever.
             if cache[-1] is not None:
-                cache[-1].c_kv = mx.depends(cache[-1].c_kv, h)
+                store = cache[-1].stores[0]
+                store.keys = mx.depends(store.keys, h)
         if size > 1:
             h = mx.distributed.all_gather(h, group=group)[: h.shape[0]]
         return self.norm(h)
@@ -114,6 +116,9 @@ class Model(nn.Module):
         # No strategy until the weights are in: some derive weights from them.
         # ``set_mla_strategy`` chooses one (``mlx_mla.load`` calls it once, after loading).
         self.mla_strategy = None
+        # The bound ``make_cache`` uses when none is asked for (the server's and chat's
+        # --max-kv-size: mlx-lm's code makes their caches without one).
+        self.max_kv_size: Optional[int] = None
 
     def __call__(self, inputs: mx.array, cache: Optional[List[LatentCache]] = None):
         h = self.model(inputs, cache)
@@ -126,9 +131,32 @@ class Model(nn.Module):
         """The decoder layers this rank runs (all of them unless pipelined), as mlx-lm's."""
         return self.model.pipeline_layers
 
-    def make_cache(self) -> List[LatentCache]:
-        """One empty ``LatentCache`` per layer this rank runs."""
-        return [LatentCache() for _ in self.layers]
+    def make_cache(self, max_kv_size: Optional[int] = None, keep: int = 4) -> List:
+        """One empty latent cache per layer this rank runs: a ``LatentCache``, or with ``max_kv_size`` a
+        ``RotatingLatentCache`` keeping the first ``keep`` tokens (mlx-lm's choice: 4) and
+        the last ``max_kv_size - keep``.
+
+        mlx-lm's ``make_prompt_cache(model, max_kv_size)`` — which ``generate_step``,
+        ``BatchGenerator`` and mlx-lm's CLIs call — hands a model with its own
+        ``make_cache`` no arguments (mlx-lm 0.32), so when it is the caller and no size is
+        given here, its ``max_kv_size`` argument is read from its frame
+        (``_max_kv_size_of_caller``); tests/test_cache.py fails if mlx-lm changes that.
+        Without either, ``self.max_kv_size`` (None: unbounded) applies.
+
+        Raises:
+            ValueError: ``max_kv_size`` not above ``keep``.
+        """
+        if max_kv_size is None:
+            max_kv_size = _max_kv_size_of_caller()
+        if max_kv_size is None:
+            max_kv_size = self.max_kv_size
+        if max_kv_size is None:
+            return [LatentCache() for _ in self.layers]
+        if max_kv_size <= keep:
+            raise ValueError(
+                f"max_kv_size {max_kv_size} must be larger than the {keep} tokens always kept"
+            )
+        return [RotatingLatentCache(max_kv_size, keep) for _ in self.layers]
 
     def set_mla_strategy(self, name: str) -> None:
         """Switch every layer to MLA strategy ``name`` (naive, absorb-materialized, absorb,
@@ -175,3 +203,20 @@ class Model(nn.Module):
 
             weights = rank_weights(weights, self.model.start_idx, self.model.end_idx)
         return _weights.sanitize(weights, self.args)
+
+
+def _max_kv_size_of_caller() -> Optional[int]:
+    """``max_kv_size`` of mlx-lm's ``make_prompt_cache`` when it is what called
+    ``Model.make_cache`` (two frames up), else None."""
+    import inspect
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back.f_back if frame and frame.f_back else None
+        if caller is not None and caller.f_code is make_prompt_cache.__code__:
+            return caller.f_locals.get("max_kv_size")
+        return None
+    finally:
+        del frame
