@@ -188,7 +188,8 @@ class Model(nn.Module):
         ``deepseek_v2.Model.shard``; see ``mlx_mla.distributed.shard_model``.
 
         Raises:
-            ValueError: the group size does not divide the heads or the MLP widths.
+            ModelLoadError (a ValueError): the group size cannot split the heads, the MLP
+                widths or their quantization groups.
         """
         from .distributed import shard_model
 
