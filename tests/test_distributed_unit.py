@@ -9,6 +9,7 @@ import pytest
 
 import mlx_mla
 from benchmarks.common import V2, V2_LITE
+from benchmarks.distributed import Rank
 from mlx_mla import ModelArgs, ModelLoadError
 from mlx_mla.distributed import check_group_size, pipeline_range, rank_weight_files
 from testdata import writable_copy
@@ -17,25 +18,12 @@ DEMO = json.loads((mlx_mla.DEMO_MODEL / "config.json").read_text())
 SHARDS = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
 
 
-class Group:
-    """What the split rules read of an ``mx.distributed.Group``: rank() and size()."""
-
-    def __init__(self, rank, size):
-        self._rank, self._size = rank, size
-
-    def rank(self):
-        return self._rank
-
-    def size(self):
-        return self._size
-
-
 def test_pipeline_split_is_mlx_lms():
     """27 layers (V2-Lite) over 2 ranks: rank 0 the last 14 (the low rank takes the extra
     one), rank 1 the first 13; 4 over 3: 2 + 1 + 1."""
-    assert pipeline_range(27, Group(0, 2)) == (13, 27)
-    assert pipeline_range(27, Group(1, 2)) == (0, 13)
-    assert [pipeline_range(4, Group(r, 3)) for r in range(3)] == [(2, 4), (1, 2), (0, 1)]
+    assert pipeline_range(27, Rank(0, 2)) == (13, 27)
+    assert pipeline_range(27, Rank(1, 2)) == (0, 13)
+    assert [pipeline_range(4, Rank(r, 3)) for r in range(3)] == [(2, 4), (1, 2), (0, 1)]
 
 
 @pytest.mark.parametrize("mode, size, message", [
