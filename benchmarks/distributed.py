@@ -350,6 +350,18 @@ def ratios(rows: List[dict]) -> Dict[str, float]:
     return out
 
 
+def measured_markdown(rows: List[dict]) -> str:
+    """The README's table of the measured runs: one line per rank."""
+    lines = ["| engine | split | rank | layers | parameters | weight files opened | "
+             "cache per token | decode tok/s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['engine']} | {r['split']} | {r['rank']} of {r['ranks']} | {r['layers']} | "
+            f"{r['weight_bytes'] / GB:.2f} GB | {r['files_opened']} ({r['file_bytes_opened'] / GB:.2f} GB) | "
+            f"{r['cache_bytes_per_token'] / 1e3:.1f} KB | {r['decode_tps']:.2f} |")
+    return "\n".join(lines)
+
+
 def plot(rows: List[dict], path: Path) -> None:
     import matplotlib
 
@@ -403,6 +415,7 @@ def main(argv=None) -> int:
     result = {"meta": meta, "rows": rows, "ratios": ratios(rows), "fit": fit}
     (args.out / "distributed.json").write_text(json.dumps(result, indent=2))
     plot(rows, args.out / "distributed.png")
+    print(measured_markdown(rows))
     print(json.dumps(result["ratios"], indent=2))
     print(f"wrote {args.out}/distributed.{{csv,json,png}}, distributed_fit.csv in "
           f"{time.time() - t0:.0f} s")
