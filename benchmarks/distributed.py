@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mlx_mla.attention.costs import step_costs
@@ -50,12 +49,14 @@ from mlx_mla.distributed import (
 from mlx_mla.dtypes import cast_floating
 
 from .common import RESULTS, ROOT, V2, V2_LITE, machine_info, with_layers, write_csv
+from .engines import lazy_model
 
 GB = 1e9
 MODELS = {"DeepSeek-V2-Lite / Coder-V2-Lite": V2_LITE, "DeepSeek-V2 / V2.5 / Coder-V2": V2}
 MAC_GB = (64, 128, 192)
 USABLE = 0.75
 ENGINES = ("mlx_mla", "mlx-lm")
+ENGINE_NAMES = {"mlx_mla": "mlx_mla auto", "mlx-lm": "mlx-lm v2"}  # as benchmarks.engines names them
 SPLITS = ("single", "pipeline", "tensor")
 
 
@@ -78,26 +79,14 @@ class Rank:
 
 def rank_weight_bytes(engine: str, config: dict, n: int, split: str, bits: Optional[int] = 4,
                       group_size: int = 64, dtype: mx.Dtype = mx.bfloat16) -> List[int]:
-    """Parameter bytes of each of ``n`` ranks, from shapes alone (lazy arrays: nothing is
-    allocated): ``engine``'s model class ("mlx_mla" or "mlx-lm" ``deepseek_v2``), quantized
-    as its loader quantizes a 4-bit folder (every Linear and the embeddings whose input is a
-    multiple of ``group_size``; ``bits`` None: float), float parameters in ``dtype``, then
+    """Parameter bytes of each of ``n`` ranks, from shapes alone: ``engine``'s model
+    ("mlx_mla" or "mlx-lm" ``deepseek_v2``) as ``engines.lazy_model`` builds it (quantized as
+    its loader quantizes a ``bits``-bit folder, float parameters in ``dtype``), then
     pipelined (``model.model.pipeline``) or sharded (``model.shard``) as rank r of n.
     Raises ValueError when ``n`` cannot split the model that way."""
     out = []
     for r in range(n if split != "single" else 1):
-        if engine == "mlx_mla":
-            from mlx_mla import Model
-
-            model = Model(ModelArgs.from_dict(config))
-        else:
-            from mlx_lm.models import deepseek_v2
-
-            model = deepseek_v2.Model(deepseek_v2.ModelArgs.from_dict(config))
-        if bits is not None:
-            nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda _, m: (
-                hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0))
-        cast_floating(model, dtype, evaluate=False)
+        model = lazy_model(ENGINE_NAMES[engine], config, dtype, bits, group_size)
         if split == "pipeline":
             model.model.pipeline(Rank(r, n))
         elif split == "tensor" and n > 1:
@@ -244,7 +233,8 @@ def worker(spec_file: Path) -> None:
 
     from mlx_mla.cache import cache_bytes_per_token
 
-    from .e2e_decode import decode, weight_bytes
+    from .e2e_decode import decode
+    from .engines import weight_bytes
 
     spec = json.loads(Path(spec_file).read_text())
     opened = []
@@ -314,7 +304,7 @@ def free_port_pair() -> int:
 
 def measure(workdir: Path, layers: int, steps: int, prompt_tokens: int, log=print) -> List[dict]:
     """The random 4-bit group-32 folder, then every (engine, split) run; one row per rank."""
-    from .e2e_decode import write_random_folder
+    from .engines import write_random_folder
 
     config = measured_config(layers)
     src = write_random_folder(config, workdir / "src", bits=4, group_size=32)
