@@ -5,6 +5,11 @@
 
 from pathlib import Path
 
+# Before anything imports MLX: an optimized BLAS, where installed, must be loaded first.
+from . import blas
+
+blas.preload()
+
 from .attention import STRATEGIES
 from .cache import LatentCache
 from .checkpoint import ModelLoadError

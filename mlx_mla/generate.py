@@ -17,7 +17,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
-from . import DEMO_MODEL
+from . import DEMO_MODEL, blas
 from .attention import STRATEGIES
 from .cache import cache_bytes_per_token, quantized_codec
 from .cache import files as prompt_cache_files
@@ -215,6 +215,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         f"({per_token:.0f} bytes/token, {len(cache)} layers){where}, "
         f"MLA strategy: {args.mla_strategy}"
     )
+    if mx.default_device() == mx.cpu:
+        print(f"BLAS: {blas.describe()['label']}")
     return 0
 
 

@@ -4,8 +4,9 @@ Mirrors ``mlx_lm.load`` and reuses its machinery: ``mlx_lm.utils.load_model`` (s
 reading, ``quantization`` config incl. per-module overrides, strict weight check) with our
 ``Model`` / ``ModelArgs``, and ``mlx_lm.utils.load_tokenizer`` for the TokenizerWrapper.
 What is ours: the folder checks (``mlx_mla.checkpoint``) that turn a bad folder into one
-clear error, the activation dtype policy, and selecting the MLA strategy once the weights
-are in.
+clear error, the activation dtype policy, on the CPU backend the dequantized-GEMM prefill
+path for quantized Linears and experts where the BLAS makes it pay
+(``mlx_mla.prefill_gemm``), and selecting the MLA strategy once the weights are in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load_model, load_tokenizer
 
-from . import checkpoint
+from . import blas, checkpoint, prefill_gemm
 from .attention import check_strategy_name
 from .checkpoint import ModelLoadError
 from .config import ModelArgs
@@ -103,6 +104,8 @@ def load(
         reason = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load {path}: {reason}") from e
     cast_floating(model, target)
+    if mx.default_device() == mx.cpu:  # prefill chunks through BLAS GEMM where it pays
+        prefill_gemm.apply(model, prefill_gemm.MIN_ROWS.get(blas.kind()))
     check_experts_run(model, target)
     model.set_mla_strategy(mla_strategy)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))

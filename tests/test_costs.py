@@ -90,3 +90,15 @@ def test_q_lora_and_errors():
                   + 2 * 2 * 128 * 128 * 512 + 2 * 128 * 128 * 5120)
     with pytest.raises(ValueError, match="no cost model"):
         costs.step_costs(V2_LITE, "flash", S=1)
+
+
+def test_short_chunk_crossover_is_where_absorb_and_naive_cost_the_same():
+    from mlx_mla.attention.costs import short_chunk_tokens
+
+    args = ModelArgs(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512,
+                     q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    assert short_chunk_tokens(args) == 512 * 256 / 768  # r(dn + dv) / (2r - dn - dv)
+    S = 10**8  # the limit of a long cache
+    for L, cheaper in ((170, "absorb"), (171, "naive")):
+        flops = {m: costs.step_costs(args, m, S=S, L=L).flops for m in ("absorb", "naive")}
+        assert min(flops, key=flops.get) == cheaper, L

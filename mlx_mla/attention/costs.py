@@ -148,6 +148,19 @@ def linear_in_s(args, strategy: str, **kw) -> tuple:
     return c0, c1 - c0
 
 
+def short_chunk_tokens(args) -> float:
+    """Chunk length L below which a prefill chunk over a long cache costs ``absorb`` fewer
+    FLOPs than ``naive`` (the limit S → ∞ of the formulas above): naive decompresses all S
+    cached positions once per call (2·S·r·H·(dn + dv), whatever L), then pays
+    2·L·S·H·(dn + dr + dv) per query-position pair; absorb pays 2·L·S·H·(2r + dr) and no
+    decompression (its 2·L·H·r·(dn + dv) absorption does not grow with S). So
+    L* = r·(dn + dv) / (2r − dn − dv): DeepSeek-V2-Lite (and V2, whose per-head dims are
+    the same) 512·256 / 768 = 170.7. Infinite when 2r ≤ dn + dv."""
+    r, dn, dv = args.kv_lora_rank, args.qk_nope_head_dim, args.v_head_dim
+    denom = 2 * r - dn - dv
+    return float("inf") if denom <= 0 else r * (dn + dv) / denom
+
+
 def _si(x: float) -> str:
     for unit, div in (("M", 1e6), ("K", 1e3)):
         if abs(x) >= div:
@@ -176,7 +189,7 @@ def markdown_table(args, itemsize: int = 4, bits: Optional[int] = 4, group_size:
 
 
 __all__ = ["Costs", "STRATEGY_MODELS", "step_costs", "quantized_bytes",
-           "materialized_extra_bytes", "linear_in_s", "markdown_table"]
+           "materialized_extra_bytes", "linear_in_s", "short_chunk_tokens", "markdown_table"]
 
 
 if __name__ == "__main__":
