@@ -40,8 +40,7 @@ from . import checkpoint
 from .attention import check_strategy_name
 from .checkpoint import INDEX_NAME, ModelLoadError
 from .config import ModelArgs
-from .dtypes import cast_floating
-from .loader import activation_dtype, check_experts_run
+from .loader import activation_dtype, prepare
 from .model import Model
 from .moe import MoE
 from .weights import split_quantization
@@ -286,9 +285,9 @@ def load_sharded(
     Reads only the weight files the rank needs (pipeline: its layers'; a Hub id fetches
     only those). Every rank checks its own files, then all agree (``agree``) before loading;
     then loads (mlx-lm's ``load_model`` on a view of the folder holding only those files,
-    strict: every tensor of the rank's layers must be there), shards, casts to the
-    activation dtype and prepares ``mla_strategy`` from the rank's weights; a last all-sum
-    keeps the ranks in step.
+    strict: every tensor of the rank's layers must be there), shards, and finishes as
+    ``mlx_mla.load`` does (``loader.prepare``: activation dtype, ``mla_strategy`` prepared
+    from the rank's weights); a last all-sum keeps the ranks in step.
 
     Returns:
         (model, tokenizer), as ``mlx_mla.load``; ``model.layers`` are the rank's layers.
@@ -342,9 +341,7 @@ def load_sharded(
             )
             if tensor_group is not None:
                 model.shard(tensor_group)
-            cast_floating(model, target)  # reads the weights while the view exists
-        check_experts_run(model, target)
-        model.set_mla_strategy(mla_strategy)
+            prepare(model, target, mla_strategy)  # reads the weights while the view exists
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except ModelLoadError as e:
         error = e

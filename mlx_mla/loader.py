@@ -103,10 +103,21 @@ def load(
     except ValueError as e:  # an unsupported config value, weights that do not fit it
         reason = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load {path}: {reason}") from e
-    cast_floating(model, target)
-    if mx.default_device() == mx.cpu:  # prefill chunks through BLAS GEMM where it pays
-        prefill_gemm.apply(model, prefill_gemm.MIN_ROWS.get(blas.kind()))
-    check_experts_run(model, target)
-    model.set_mla_strategy(mla_strategy)
+    prepare(model, target, mla_strategy)
     tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     return model, tokenizer
+
+
+def prepare(model: Model, dtype: mx.Dtype, mla_strategy: str) -> None:
+    """What a load does once the weights are in (``load``, and ``load_sharded`` per rank):
+    cast the float parameters to ``dtype`` (reading the weights), give prefill chunks the
+    BLAS GEMM path where it pays (CPU backend), check the experts run, set the strategy.
+
+    Raises:
+        ModelLoadError: the backend cannot run the MoE experts in ``dtype``.
+    """
+    cast_floating(model, dtype)
+    if mx.default_device() == mx.cpu:  # prefill chunks through BLAS GEMM where it pays
+        prefill_gemm.apply(model, prefill_gemm.MIN_ROWS.get(blas.kind()))
+    check_experts_run(model, dtype)
+    model.set_mla_strategy(mla_strategy)
