@@ -17,17 +17,23 @@ SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 RECIPES = ("mla", "uniform")
 DEFAULT_RECIPE = "mla"
+# MLX's floating-point quantization modes fix bits and group size ({mode: (bits, group)},
+# `mx.quantize`'s table); only "affine" has a choice, so only it has recipes other than
+# `uniform` (the `mla` recipe's extra bits and group sizes were measured for affine).
+FIXED_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+Q_MODES = ("affine", *FIXED_MODES)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Affine quantization parameters for one module, as `mx.quantize` takes them."""
+    """Quantization parameters for one module, as `mx.quantize` takes them."""
 
     bits: int
     group_size: int
+    mode: str = "affine"
 
     def as_config(self) -> dict:
-        return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
 
 # Ordered: the first pattern that matches a module path names its class.
@@ -143,15 +149,33 @@ class Recipe:
         return spec
 
 
-def make_recipe(name: str, bits: int, group_size: int, overrides: dict | None = None) -> Recipe:
-    """Build a recipe by name for a base of `bits` and `group_size`.
+def make_recipe(name: str, bits: int, group_size: int, overrides: dict | None = None,
+                mode: str = "affine") -> Recipe:
+    """Build a recipe by name for a base of `bits` and `group_size` in `mode`.
 
     `mla` applies MLA_TABLE (measured at 4-bit, group 64) relative to the base; an
-    override key is a class or "class@layer" (that class in one decoder layer).
+    override key is a class or "class@layer" (that class in one decoder layer). A mode of
+    `FIXED_MODES` takes only its own bits and group size, and only the `uniform` recipe.
 
     Raises:
-        ValueError: unknown recipe, bits or group size (message lists the valid ones).
+        ValueError: unknown recipe, mode, bits or group size, or a recipe, bits or group
+            size the mode does not take (message lists the valid ones).
     """
+    if mode in FIXED_MODES:
+        fixed = FIXED_MODES[mode]
+        if (bits, group_size) != fixed:
+            raise ValueError(
+                f"--q-mode {mode} stores {fixed[0]} bits in groups of {fixed[1]}; got "
+                f"--q-bits {bits} --q-group-size {group_size}: leave them out"
+            )
+        if name != "uniform":
+            raise ValueError(
+                f"--quant-recipe {name} is for --q-mode affine (its bits and group sizes were "
+                f"measured there); --q-mode {mode} takes --quant-recipe uniform"
+            )
+        return Recipe(name, QuantSpec(bits, group_size, mode), {})
+    if mode != "affine":
+        raise ValueError(f"--q-mode {mode} is not known; choose one of {', '.join(Q_MODES)}")
     if bits not in SUPPORTED_BITS:
         raise ValueError(
             f"--q-bits {bits} is not supported; choose one of {', '.join(map(str, SUPPORTED_BITS))}"

@@ -34,13 +34,13 @@ import mlx.core as mx
 from mlx.nn.layers.distributed import shard_inplace, shard_linear
 from mlx_lm.models.pipeline import PipelineMixin
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_model
 
 from . import checkpoint
 from .attention import check_strategy_name
 from .checkpoint import INDEX_NAME, ModelLoadError
 from .config import ModelArgs
-from .loader import activation_dtype, prepare
+from .loader import activation_dtype, check_experts_dtype, load_tokenizer, prepare
 from .model import Model
 from .moe import MoE
 from .weights import split_quantization
@@ -301,9 +301,13 @@ def load_sharded(
     error = None
     try:
         check_strategy_name(mla_strategy)
+        # mlx_mla.load's checks (loader.open_folder), on this rank's weight files only
         path, repo = checkpoint.resolve(str(path_or_repo), revision, WEIGHTLESS_PATTERNS)
         config = checkpoint.read_config(path)
+        checkpoint.check_tokenizer(path)
+        target = activation_dtype(dtype, config)
         args = ModelArgs.from_dict(config)
+        check_experts_dtype(args, target)
         layers = None
         if tensor_group is not None:
             check_group_size(args, tensor_group.size(), "tensor")
@@ -321,7 +325,7 @@ def load_sharded(
             checkpoint.read_header(path / name)
     except ModelLoadError as e:
         error = e
-    except ValueError as e:  # an unsupported config value
+    except (ValueError, TypeError) as e:  # an unsupported or malformed config value
         error = ModelLoadError(f"cannot load {path_or_repo}: {str(e).strip().splitlines()[0]}")
     agree(world, error)
 
@@ -331,7 +335,6 @@ def load_sharded(
             model.model.pipeline(pipeline_group)  # before loading: only its layers remain
         return model
 
-    target = activation_dtype(dtype, config)
     try:
         with tempfile.TemporaryDirectory(prefix="mlx-mla-rank-") as tmp:
             overrides = {"quantization": split_quantization(config.get("quantization"), args)}
@@ -342,7 +345,7 @@ def load_sharded(
             if tensor_group is not None:
                 model.shard(tensor_group)
             prepare(model, target, mla_strategy)  # reads the weights while the view exists
-        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, config)
     except ModelLoadError as e:
         error = e
     except ValueError as e:  # weights that do not fit the config

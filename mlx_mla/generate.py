@@ -23,6 +23,7 @@ from .cache import cache_bytes_per_token, quantized_codec
 from .cache import files as prompt_cache_files
 from .cache.files import PromptCacheError
 from .checkpoint import ModelLoadError
+from .cli import context_error, quiet_on_broken_pipe, sampling_error, str2bool
 from .dtypes import DTYPES
 from .distributed import barrier, load_sharded
 from .loader import load
@@ -31,9 +32,7 @@ DEFAULT_PROMPT = "ROMEO:"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_lm.generate import (
-        DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_P, str2bool,
-    )
+    from mlx_lm.generate import DEFAULT_MAX_TOKENS, DEFAULT_MIN_P, DEFAULT_TEMP, DEFAULT_TOP_P
 
     p = argparse.ArgumentParser(
         prog="python -m mlx_mla.generate",
@@ -46,15 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompt text, or - to read stdin (default: {DEFAULT_PROMPT!r})")
     p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
                    help="maximum number of tokens to generate")
-    p.add_argument("--temp", type=float, default=DEFAULT_TEMP, help="sampling temperature (0: greedy)")
-    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P, help="sampling top-p")
-    p.add_argument("--min-p", type=float, default=DEFAULT_MIN_P, help="sampling min-p")
+    p.add_argument("--temp", type=float, default=DEFAULT_TEMP,
+                   help="sampling temperature, >= 0 (0: greedy)")
+    p.add_argument("--top-p", type=float, default=DEFAULT_TOP_P,
+                   help="sampling top-p, in (0, 1] (1: off)")
+    p.add_argument("--min-p", type=float, default=DEFAULT_MIN_P,
+                   help="sampling min-p, in [0, 1] (0: off)")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
     p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="encode the prompt as is, even if the tokenizer has a chat template")
     p.add_argument("--verbose", type=str2bool, default=True,
-                   help="stream the text and print the stats (True) or print only the text (False)")
+                   help="stream the text and print the stats (true, the default) or print only "
+                        "the text (false; also no/off/0)")
     p.add_argument("--mla-strategy", default="auto",
                    help=f"MLA decode strategy: {', '.join(STRATEGIES)} (default: auto)")
     p.add_argument("--dtype", default=None,
@@ -141,14 +144,19 @@ def fail(message: str) -> int:
     return 1
 
 
+@quiet_on_broken_pipe
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the CLI; returns the exit status (0, or 1 with one ``error:`` line on stderr)."""
+    """Run the CLI; returns the exit status (0, or 1 with one ``error:`` line on stderr;
+    141 when the reader of stdout closes it early)."""
     from mlx_lm import generate as mlx_lm_generate
     from mlx_lm.sample_utils import make_sampler
 
     args = build_parser().parse_args(argv)
     if args.max_tokens < 1:
         return fail(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    problem = sampling_error(args.temp, args.top_p, args.min_p, args.seed)
+    if problem:
+        return fail(problem)
     group = mx.distributed.init()
     rank, size = group.rank(), group.size()
     if size > 1:
@@ -177,15 +185,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
+    if rank == 0 and args.system_prompt and (
+            args.ignore_chat_template or not tokenizer.has_chat_template):
+        why = ("--ignore-chat-template" if args.ignore_chat_template
+               else "the tokenizer has no chat template")
+        print(f"warning: --system-prompt is ignored: {why}", file=sys.stderr)
     tokens = encode_prompt(tokenizer, prompt, args.system_prompt, args.ignore_chat_template,
                            continues_cache=args.prompt_cache_file is not None)
-    limit = model.args.max_position_embeddings
-    cached = cache[0].offset
-    if cached + len(tokens) + args.max_tokens > limit:
-        return fail(
-            f"prompt ({cached + len(tokens)} tokens) + --max-tokens ({args.max_tokens}) exceeds "
-            f"the model's context of {limit} tokens: shorten the prompt or lower --max-tokens"
-        )
+    problem = context_error(cache[0].offset + len(tokens), args.max_tokens,
+                            model.args.max_position_embeddings)
+    if problem:
+        return fail(problem)
 
     sampler = make_sampler(args.temp, args.top_p, args.min_p)
     text = mlx_lm_generate(

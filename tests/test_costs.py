@@ -63,7 +63,8 @@ def test_bytes_by_hand():
     # decompressed keys (with k_pe broadcast in) and values, written then read
     assert n.temp_bytes == c.temp_bytes + 2 * 16 * S * (192 + 128) * 4
     m = costs.step_costs(V2_LITE, "absorb-materialized", S=S)
-    assert m.weight_bytes == front + q4(2048, 8192) + q4(8192, 2048)
+    # W_UQ·W_UK and W_O·W_UV stay float32, whatever the projections' bits
+    assert m.weight_bytes == front + 2 * 2048 * 8192 * 4
     kv = costs.step_costs(V2_LITE, "kv-cache", S=S)
     assert kv.cache_bytes == S * 16 * 320 * 4
     assert c.bytes_read == c.weight_bytes + c.cache_bytes + c.temp_bytes
@@ -74,7 +75,8 @@ def test_bytes_by_hand():
 
 
 def test_materialized_extra_bytes_and_prefill():
-    assert costs.materialized_extra_bytes(V2_LITE) == 2 * 2048 * 8192 * 5 // 8  # 20,971,520
+    assert costs.materialized_extra_bytes(V2_LITE) == 2 * 2048 * 8192 * 4  # 134,217,728
+    assert costs.materialized_extra_bytes(V2_LITE, itemsize=2) == 2 * 2048 * 8192 * 2
     # prefill: per-token terms ×L, per-position decompression once, attention ×L·S
     L = S = 2048
     n = costs.step_costs(V2_LITE, "naive", S=S, L=L).flops
