@@ -22,7 +22,7 @@ mlx_mla's latent cache (``costs.step_costs(..., "absorb")``: kv_lora_rank + qk_r
 values per layer) against mlx-lm's decompressed K/V cache (``"kv-cache"``: H·(dn + dr + dv),
 split by heads under tensor parallelism). Activations and the OS are not counted.
 
-    python -m benchmarks.distributed             # ~4 minutes on 2 cores
+    python -m benchmarks.distributed             # ~6 minutes on 2 cores
     python -m benchmarks.distributed --fit-only  # the computed table, seconds
 Writes benchmarks/results/distributed.{csv,json,png} and distributed_fit.csv.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -358,7 +359,7 @@ def plot(rows: List[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5))
     labels = [f"{r['engine']}\n{r['split']} r{r['rank']}" for r in rows]
     axes[0].bar(labels, [r["weight_bytes"] / GB for r in rows])
     axes[0].set(ylabel="GB", title="parameters per rank")
@@ -368,7 +369,7 @@ def plot(rows: List[dict], path: Path) -> None:
     axes[2].bar([f"{r['engine']}\n{r['split']}" for r in zero], [r["decode_tps"] for r in zero])
     axes[2].set(ylabel="tokens/s", title="decode (2 cores shared by the ranks)")
     for ax in axes:
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=7, rotation=60)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -395,9 +396,11 @@ def main(argv=None) -> int:
         print(fit_markdown(fit))
         print(f"wrote {args.out / 'distributed_fit.csv'}")
         return 0
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         rows = measure(Path(tmp), args.layers, args.steps, args.prompt_tokens)
-    meta = {**machine_info(), "layers": args.layers, "steps": args.steps,
+    meta = {**machine_info(), "load_average_before_after": [load_before, os.getloadavg()],
+            "layers": args.layers, "steps": args.steps,
             "prompt_tokens": args.prompt_tokens, "backend_distributed": "ring, 127.0.0.1",
             "quantization": "4-bit, group 32 (mlx_lm.utils.quantize_model)",
             "seconds": time.time() - t0}
