@@ -354,6 +354,7 @@ def measured_markdown(rows: List[dict]) -> str:
 
 
 def plot(rows: List[dict], path: Path) -> None:
+    """distributed.png: parameters and cache per token of every rank, rank 0's decode tok/s."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -21,12 +21,15 @@ from typing import List, Sequence
 
 import mlx.core as mx
 
-# Ranks get this long (s) before they count as hung; a run here takes ~10 s on 2 cores.
+# Ranks get this long (s) before they count as hung; the longest run here (every case on
+# two ranks) takes 30-40 s on 2 loaded cores.
 TIMEOUT = 240
 
 
 @dataclass
 class RankResult:
+    """One rank's exit status and its whole stdout and stderr."""
+
     returncode: int
     stdout: str
     stderr: str
