@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -92,9 +92,15 @@ def weight_bytes(model: nn.Module) -> int:
 
 def lazy_weight_bytes(engine: str, config: dict, dtype: mx.Dtype, bits: int = 4,
                       group_size: int = 64) -> int:
-    """Weight bytes of ``engine`` at ``config``'s shape from shapes alone (lazy arrays, no
-    weights read or allocated): the model class quantized as its loader would quantize a
-    ``write_random_folder`` folder, float parameters in ``dtype``."""
+    """Weight bytes of ``engine`` at ``config``'s shape from shapes alone (``lazy_model``)."""
+    return weight_bytes(lazy_model(engine, config, dtype, bits, group_size))
+
+
+def lazy_model(engine: str, config: dict, dtype: mx.Dtype, bits: Optional[int] = 4,
+               group_size: int = 64) -> nn.Module:
+    """``engine``'s model at ``config``'s shape from shapes alone (lazy arrays, no weights
+    read or allocated): the model class quantized as its loader would quantize a
+    ``write_random_folder`` folder (``bits`` None: left float), float parameters in ``dtype``."""
     if engine.startswith("mlx_mla"):
         from mlx_mla import Model, ModelArgs
 
@@ -105,10 +111,11 @@ def lazy_weight_bytes(engine: str, config: dict, dtype: mx.Dtype, bits: int = 4,
         mod = deepseek_v2 if engine == "mlx-lm v2" else deepseek_v3
         cfg = config if engine == "mlx-lm v2" else {**config, **v3_overrides(config)}
         model = mod.Model(mod.ModelArgs.from_dict(cfg))
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda _, m: (
-        hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0))
+    if bits is not None:
+        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda _, m: (
+            hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0))
     cast_floating(model, dtype, evaluate=False)
-    return weight_bytes(model)
+    return model
 
 
 def write_folders(config: dict, workdir: Path) -> Dict[str, Path]:

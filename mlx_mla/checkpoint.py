@@ -57,8 +57,10 @@ class TensorInfo:
     shape: tuple
 
 
-def resolve(path_or_repo: str, revision: Optional[str] = None) -> Tuple[Path, Optional[str]]:
-    """A local folder as is; a Hub repo id downloaded (``HUB_ALLOW_PATTERNS`` only).
+def resolve(path_or_repo: str, revision: Optional[str] = None,
+            allow_patterns: Optional[List[str]] = None) -> Tuple[Path, Optional[str]]:
+    """A local folder as is; a Hub repo id downloaded (the files ``allow_patterns`` match,
+    default ``HUB_ALLOW_PATTERNS``; a sharded load fetches only a rank's weight files).
 
     Returns:
         (local folder, the Hub id it came from or None).
@@ -83,7 +85,7 @@ def resolve(path_or_repo: str, revision: Optional[str] = None) -> Tuple[Path, Op
 
     try:
         folder = huggingface_hub.snapshot_download(
-            text, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS
+            text, revision=revision, allow_patterns=allow_patterns or HUB_ALLOW_PATTERNS
         )
     except Exception as e:  # network, auth, 404: all end the same way for the user
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -4,13 +4,15 @@ Flags, prompt handling (chat template, then encoding without special tokens so B
 once), sampler and the generate loop are mlx-lm's own (``mlx_lm.generate``,
 ``mlx_lm.sample_utils.make_sampler``); we add ``--mla-strategy`` and ``--dtype`` and report
 the latent cache's size. With no ``--model``, it runs the demo checkpoint shipped in the
-package.
+package. Under ``mlx.launch`` (2+ ranks) every rank loads its part (``--pipeline``, or tensor
+parallel, ``mlx_mla.distributed``) and runs the same loop; rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import List, Optional
 
 import mlx.core as mx
@@ -23,6 +25,7 @@ from .cache.files import PromptCacheError
 from .checkpoint import ModelLoadError
 from .cli import context_error, quiet_on_broken_pipe, sampling_error, str2bool
 from .dtypes import DTYPES
+from .distributed import barrier, load_sharded
 from .loader import load
 
 DEFAULT_PROMPT = "ROMEO:"
@@ -64,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache-file", default=None,
                    help="a prompt cache made by python -m mlx_mla.cache_prompt: the prompt "
                         "continues it (with a chat template, as the next user message)")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--pipeline", action="store_true",
+                       help="under mlx.launch: split the decoder layers across the ranks, "
+                            "each reading only its layers' files and caching only its layers")
+    split.add_argument("--tensor-parallel", action="store_true",
+                       help="under mlx.launch: split every layer across the ranks by heads "
+                            "and expert widths (the default when launched on 2+ ranks, as "
+                            "in mlx-lm)")
     return p
 
 
@@ -146,20 +157,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     problem = sampling_error(args.temp, args.top_p, args.min_p, args.seed)
     if problem:
         return fail(problem)
+    group = mx.distributed.init()
+    rank, size = group.rank(), group.size()
+    if size > 1:
+        # Every rank samples from the same logits: with one seed they pick the same tokens.
+        args.seed = agreed_seed(group, args.seed)
     if args.seed is not None:
         mx.random.seed(args.seed)
     model_path = args.model
     if args.prompt_cache_file is not None and model_path is None:
         model_path = prompt_cache_files.named_model(args.prompt_cache_file)
     try:
-        model, tokenizer = load(model_path or DEMO_MODEL, args.mla_strategy, args.dtype)
+        if size > 1:
+            if args.prompt_cache_file is not None:
+                raise ValueError("--prompt-cache-file is for one process: a run over several "
+                                 "ranks starts from an empty cache")
+            split = {"pipeline_group": group} if args.pipeline else {"tensor_group": group}
+            model, tokenizer = load_sharded(
+                model_path or DEMO_MODEL, mla_strategy=args.mla_strategy, dtype=args.dtype,
+                **split)
+        else:
+            model, tokenizer = load(model_path or DEMO_MODEL, args.mla_strategy, args.dtype)
         cache = make_cache(model, args)
     except (ModelLoadError, PromptCacheError, ValueError) as e:
         return fail(str(e))
+    verbose = args.verbose and rank == 0
 
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
     prompt = sys.stdin.read() if prompt == "-" else prompt
-    if args.system_prompt and (args.ignore_chat_template or not tokenizer.has_chat_template):
+    if rank == 0 and args.system_prompt and (
+            args.ignore_chat_template or not tokenizer.has_chat_template):
         why = ("--ignore-chat-template" if args.ignore_chat_template
                else "the tokenizer has no chat template")
         print(f"warning: --system-prompt is ignored: {why}", file=sys.stderr)
@@ -172,23 +199,43 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     sampler = make_sampler(args.temp, args.top_p, args.min_p)
     text = mlx_lm_generate(
-        model, tokenizer, tokens, max_tokens=args.max_tokens, verbose=args.verbose,
+        model, tokenizer, tokens, max_tokens=args.max_tokens, verbose=verbose,
         sampler=sampler, prompt_cache=cache, kv_bits=args.kv_bits,
         kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
     )
-    if not args.verbose:
+    if size > 1:
+        barrier(group)  # no rank exits while another still needs its sockets
+    if rank != 0:
+        return 0
+    if not verbose:
         print(text)
         return 0
     positions = cache[0].size()
     per_token = cache_bytes_per_token(cache)
+    where = ""
+    if size > 1 and args.pipeline:
+        m = model.model
+        where = (f" on rank 0 of {size} (pipeline: layers {m.start_idx}-{m.end_idx - 1} of "
+                 f"{len(m.layers)}; each rank caches its own layers)")
+    elif size > 1:
+        where = (f" on each of {size} ranks (tensor parallel: every rank caches every "
+                 f"layer's whole latent)")
     print(
         f"Latent cache: {per_token * positions / 1e6:.3f} MB for {positions} tokens "
-        f"({per_token:.0f} bytes/token, {len(cache)} layers), "
+        f"({per_token:.0f} bytes/token, {len(cache)} layers){where}, "
         f"MLA strategy: {args.mla_strategy}"
     )
     if mx.default_device() == mx.cpu:
         print(f"BLAS: {blas.describe()['label']}")
     return 0
+
+
+def agreed_seed(group, seed: Optional[int]) -> int:
+    """``seed`` if given, else rank 0's random one, the same on every rank of ``group``."""
+    if seed is not None:
+        return seed
+    mine = int(time.time_ns() % 2**31) if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array(mine), group=group, stream=mx.cpu).item())
 
 
 if __name__ == "__main__":

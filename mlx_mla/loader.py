@@ -165,8 +165,16 @@ def load(
     except ValueError as e:  # an unsupported config value, weights that do not fit it
         reason = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load {path}: {reason}") from e
-    cast_floating(model, target)
+    prepare(model, target, mla_strategy)
+    return model, load_tokenizer(path, config)
+
+
+def prepare(model: Model, dtype: mx.Dtype, mla_strategy: str) -> None:
+    """What a load does once the weights are in (``load``, and ``load_sharded`` on each
+    rank): cast the float parameters to ``dtype`` (which reads the weights), give prefill
+    chunks the dequantized-GEMM path where the BLAS makes it pay (CPU backend), select the
+    MLA strategy."""
+    cast_floating(model, dtype)
     if mx.default_device() == mx.cpu:  # prefill chunks through BLAS GEMM where it pays
         prefill_gemm.apply(model, prefill_gemm.MIN_ROWS.get(blas.kind()))
     model.set_mla_strategy(mla_strategy)
-    return model, load_tokenizer(path, config)

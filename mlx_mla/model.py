@@ -12,6 +12,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.pipeline import PipelineMixin
 
 from .attention import MLAttention, make_strategy
 from .cache import LatentCache, RotatingLatentCache
@@ -37,28 +38,62 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DeepseekV2Model(nn.Module):
-    """Embeddings, decoder layers, final RMSNorm: (B, L) token ids → (B, L, hidden)."""
+class DeepseekV2Model(PipelineMixin, nn.Module):
+    """Embeddings, decoder layers, final RMSNorm: (B, L) token ids → (B, L, hidden).
+
+    Pipeline parallel (mlx-lm's ``PipelineMixin``): after ``pipeline(group)`` this rank
+    runs only ``pipeline_layers`` (``layers[start_idx:end_idx]``; rank 0 holds the last
+    layers, rank size-1 the first). It receives the hidden states from rank + 1, runs its
+    layers and sends them to rank - 1; rank 0's output is then gathered to every rank, so
+    every rank computes the same logits and mlx-lm's generate loop runs unchanged on each.
+    The communication is mlx-lm ``deepseek_v2``'s, on the group given to ``pipeline``.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.pipeline_group = None
+
+    def pipeline(self, group, split=None):
+        """Keep only this rank's layers (mlx-lm's ``PipelineMixin.pipeline``: an even split,
+        the low ranks taking one more when it is uneven, or ``split`` layers per rank) and
+        communicate on ``group``.
+
+        Raises:
+            ValueError: ``split`` does not give every rank at least one layer.
+        """
+        super().pipeline(group, split)
+        self.pipeline_group = group
 
     def __call__(self, inputs: mx.array, cache=None) -> mx.array:
         h = self.embed_tokens(inputs)
         L = h.shape[1]
+        layers = self.pipeline_layers
         if cache is None:
-            cache = [None] * len(self.layers)
+            cache = [None] * len(layers)
         # The cache knows the positions (and, batched, the padding), so it makes the mask,
         # as in mlx-lm's models; without a cache, plain causal over the L tokens.
         if cache[0] is not None:
             mask = cache[0].make_mask(L)
         else:
             mask = create_causal_mask(L, 0) if L > 1 else None
-        for layer, c in zip(self.layers, cache):
+        rank, size, group = self.pipeline_rank, self.pipeline_size, self.pipeline_group
+        if rank < size - 1:
+            h = mx.distributed.recv_like(h, rank + 1, group=group)
+        for layer, c in zip(layers, cache):
             h = layer(h, mask, c)
+        if rank != 0:
+            h = mx.distributed.send(h, rank - 1, group=group)
+            # mlx-lm's prefill evaluates only the caches: tie the send to this rank's last
+            # cache (its first store's keys, as mlx-lm ties it to a KVCache's) so it happens
+            # then too, else rank - 1 would wait for it forever.
+            if cache[-1] is not None:
+                store = cache[-1].stores[0]
+                store.keys = mx.depends(store.keys, h)
+        if size > 1:
+            h = mx.distributed.all_gather(h, group=group)[: h.shape[0]]
         return self.norm(h)
 
 
@@ -93,10 +128,11 @@ class Model(nn.Module):
 
     @property
     def layers(self):
-        return self.model.layers
+        """The decoder layers this rank runs (all of them unless pipelined), as mlx-lm's."""
+        return self.model.pipeline_layers
 
     def make_cache(self, max_kv_size: Optional[int] = None, keep: int = 4) -> List:
-        """One empty latent cache per layer: a ``LatentCache``, or with ``max_kv_size`` a
+        """One empty latent cache per layer this rank runs: a ``LatentCache``, or with ``max_kv_size`` a
         ``RotatingLatentCache`` keeping the first ``keep`` tokens (mlx-lm's choice: 4) and
         the last ``max_kv_size - keep``.
 
@@ -146,8 +182,27 @@ class Model(nn.Module):
         return sum(l.self_attn.strategy.derived_nbytes for l in self.layers
                    if l.self_attn.strategy is not None)
 
+    def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
+        """Tensor parallel over ``group`` (default: the global group): attention split by
+        heads, MLPs and experts by their intermediate dimension, as mlx-lm's
+        ``deepseek_v2.Model.shard``; see ``mlx_mla.distributed.shard_model``.
+
+        Raises:
+            ModelLoadError (a ValueError): the group size cannot split the heads, the MLP
+                widths or their quantization groups.
+        """
+        from .distributed import shard_model
+
+        shard_model(self, group or mx.distributed.init())
+
     def sanitize(self, weights):
-        """Checkpoint tensors (Hugging Face or mlx-lm layout) → this model's names."""
+        """Checkpoint tensors (Hugging Face or mlx-lm layout) → this model's names; once
+        pipelined, only those of the layers this rank holds (its files also carry some of
+        their neighbours')."""
+        if self.model.pipeline_size > 1:
+            from .distributed import rank_weights
+
+            weights = rank_weights(weights, self.model.start_idx, self.model.end_idx)
         return _weights.sanitize(weights, self.args)
 
 

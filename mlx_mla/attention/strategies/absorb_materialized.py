@@ -36,8 +36,9 @@ from .base import Strategy, latent_attention
 def dense_weight(linear: nn.Module) -> mx.array:
     """The float weight (out, in) of a Linear, or of a QuantizedLinear dequantized in
     float32 (any mode; its bits, group size and mode are the layer's, which the loader set
-    from the folder's ``quantization`` config)."""
-    if isinstance(linear, nn.QuantizedLinear):
+    from the folder's ``quantization`` config); of their tensor-parallel forms, this rank's
+    part."""
+    if "scales" in linear:
         spec = {"group_size": linear.group_size, "bits": linear.bits, "mode": linear.mode}
         return dequantize_float32(linear.weight, linear.scales, linear.get("biases"), spec)
     return linear.weight
@@ -53,14 +54,29 @@ DERIVED_QUANTIZATION: Optional[dict] = None
 def _derived_linear(source: nn.Module, weight: mx.array) -> nn.Module:
     """A bias-free Linear holding ``weight`` (out, in): float, or quantized to
     ``DERIVED_QUANTIZATION`` when that is set, the projection it stands in for (``source``)
-    is quantized, and ``in`` is a multiple of the group size."""
+    is quantized, and ``in`` is a multiple of the group size.
+
+    When ``source`` is a tensor-parallel ``o_proj`` (``nn.ShardedToAllLinear`` or its
+    quantized form), ``weight`` is this rank's (hidden, heads_here·r) part and the layer is
+    of that kind too: its products are all-summed over the group, then the bias added.
+    """
     out_dims, in_dims = weight.shape
-    dense = nn.Linear(in_dims, out_dims, bias=False)
-    dense.weight = weight
+    layer = nn.Linear(in_dims, out_dims, bias=False)
+    layer.weight = weight
     spec = DERIVED_QUANTIZATION
-    if spec and isinstance(source, nn.QuantizedLinear) and in_dims % spec["group_size"] == 0:
-        return nn.QuantizedLinear.from_linear(dense, **spec)
-    return dense
+    quantized = bool(spec) and "scales" in source and in_dims % spec["group_size"] == 0
+    if quantized:
+        layer = nn.QuantizedLinear.from_linear(layer, **spec)
+    if not isinstance(source, (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)):
+        return layer
+    group = source.group
+    if quantized:
+        sharded = nn.QuantizedShardedToAllLinear(in_dims * group.size(), out_dims, bias=False,
+                                                 group=group, **spec)
+    else:
+        sharded = nn.ShardedToAllLinear(in_dims * group.size(), out_dims, bias=False, group=group)
+    sharded.update(layer.parameters())
+    return sharded
 
 
 class AbsorbMaterialized(Strategy):
