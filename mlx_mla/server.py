@@ -18,6 +18,10 @@ cache that reuses a cached prefix across requests. What is ours, as subclasses:
   ``logit_bias``), are refused with 400; a client that hangs up mid-stream is logged, its
   generation having been stopped by mlx-lm (``ctx.stop()`` → ``BatchGenerator.remove``).
 
+Under ``mlx.launch`` (2+ ranks) each rank loads its part with ``mlx_mla.distributed.
+load_sharded`` (``--pipeline``: its layers; else tensor parallel, as mlx_lm.server); rank 0
+serves HTTP and the others follow its requests (mlx-lm's distributed ``ResponseGenerator``).
+
 Flags: mlx_lm.server's, same names and defaults, plus --mla-strategy, --dtype, --max-kv-size
 and --allow-other-models. Binds 127.0.0.1 unless told otherwise (one warning line then).
 """
@@ -49,6 +53,7 @@ from .cache import quantized_codec
 from .checkpoint import ModelLoadError
 from .cli import sampling_error
 from .dtypes import DTYPES
+from .distributed import load_sharded
 from .loader import load
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -116,7 +121,12 @@ class MLAModelProvider(ModelProvider):
         gc.collect()
         mx.clear_cache()
         logging.info(f"loading {model_path} (MLA strategy {self.cli_args.mla_strategy})")
-        model, tokenizer = load(model_path, self.cli_args.mla_strategy, self.cli_args.dtype)
+        if self.is_distributed:  # this rank's part: pipeline (--pipeline) or tensor parallel
+            model, tokenizer = load_sharded(
+                model_path, pipeline_group=self.pipeline_group, tensor_group=self.tensor_group,
+                mla_strategy=self.cli_args.mla_strategy, dtype=self.cli_args.dtype)
+        else:
+            model, tokenizer = load(model_path, self.cli_args.mla_strategy, self.cli_args.dtype)
         model.max_kv_size = self.cli_args.max_kv_size
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer = model, tokenizer
@@ -311,8 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"with --kv-bits, quantize from this many tokens on "
                         f"({DEFAULT_QUANTIZED_KV_START})")
     p.add_argument("--pipeline", action="store_true",
-                   help="mlx-lm's pipeline-parallel serving over mlx.launch ranks (not "
-                        "available for MLA models yet: refused with one line)")
+                   help="under mlx.launch, split the model's layers over the ranks (pipeline "
+                        "parallel); without it, ranks split every layer (tensor parallel), "
+                        "as mlx_lm.server does")
     p.add_argument("--mla-strategy", default="auto",
                    help=f"MLA strategy: {', '.join(STRATEGIES)} (default: auto)")
     p.add_argument("--dtype", default=None,
@@ -327,11 +338,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Raises ValueError (one line) for flag values the server cannot start with."""
-    group = mx.distributed.init()
-    if args.pipeline or group.size() > 1:
+    if args.pipeline and mx.distributed.init().size() == 1:
         raise ValueError(
-            "distributed serving (--pipeline, mlx.launch ranks) is not available in "
-            "mlx_mla.server yet: run it as one process without --pipeline")
+            "--pipeline splits the model over the ranks mlx.launch starts (e.g. mlx.launch "
+            "-n 2 --hosts ... -- python -m mlx_mla.server --pipeline); this process has none")
     error = sampling_error(args.temp, args.top_p, args.min_p)
     if error:
         raise ValueError(error)
@@ -371,9 +381,10 @@ def make_http_server(host: str, port: int, response_generator: ResponseGenerator
 
 
 def start(args: argparse.Namespace, provider: MLAModelProvider,
-          generator: MLAResponseGenerator) -> ThreadingHTTPServer:
+          generator: MLAResponseGenerator) -> Optional[ThreadingHTTPServer]:
     """Wait for the generation thread to load the served model, check the flags against
-    it, and bind the HTTP server.
+    it, and bind the HTTP server (rank 0 of a distributed run only: None on the others,
+    whose generation threads follow rank 0's requests, as in mlx-lm).
 
     Raises:
         ModelLoadError, ValueError, OSError: one line each (the model, a flag, the address).
@@ -385,6 +396,8 @@ def start(args: argparse.Namespace, provider: MLAModelProvider,
     if error is not None:
         raise ModelLoadError(f"cannot load {provider.served_id}: {error}")
     check_model_args(args, provider.model)
+    if mx.distributed.init().rank() != 0:
+        return None
     return make_http_server(args.host, args.port, generator)
 
 
@@ -420,6 +433,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         generator.stop_and_join()
         return fail(str(e))
 
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if httpd is None:  # a rank other than 0: follow rank 0's requests until ended
+        try:
+            generator.join()
+        except KeyboardInterrupt:
+            pass
+        return 0
     port = httpd.server_address[1]
     warning = bind_warning(args.host)
     if warning:
@@ -427,7 +447,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"mlx_mla.server: serving {provider.served_id} at http://{args.host}:{port}/v1 "
           f"(MLA strategy {args.mla_strategy}, max kv size {args.max_kv_size or 'unbounded'})",
           file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,18 +18,22 @@ START_LINE = re.compile(r"serving .* at http://127\.0\.0\.1:(\d+)/v1")
 
 
 class ServerProcess:
-    """``python -m mlx_mla.server --port 0 ARGS`` with its stderr and stdout in ``log_path``.
+    """``python -m mlx_mla.server --port 0 ARGS`` with its stderr and stdout in ``log_path``;
+    ``env``: extra environment variables (a rank's); ``wait``: for the start line (which
+    only rank 0 prints).
 
     Raises:
         RuntimeError: it exits or does not print its start line within ``timeout`` s.
     """
 
-    def __init__(self, args, log_path: Path, timeout: float = 120.0):
+    def __init__(self, args, log_path: Path, timeout: float = 120.0, env=None, wait=True):
         self.log_path = log_path
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_mla.server", "--port", "0", *map(str, args)],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        if not wait:
+            return
         deadline = time.monotonic() + timeout
         while (m := START_LINE.search(self.log())) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:

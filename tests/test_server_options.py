@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from mlx_lm import generate as mlx_lm_generate
 from mlx_lm.generate import batch_generate, stream_generate
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import (
@@ -20,6 +22,7 @@ import mlx_mla
 from mlx_mla.server import (
     MLAModelProvider, MLAResponseGenerator, bind_warning, build_parser, main,
 )
+from distributed_helpers import free_ports
 from server_helpers import ServerProcess
 from testdata import writable_copy
 
@@ -95,7 +98,7 @@ def test_allow_other_models_loads_the_named_one(bounded_server, demo):
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--pipeline"], "distributed serving (--pipeline, mlx.launch ranks) is not available"),
+    (["--pipeline"], "--pipeline splits the model over the ranks mlx.launch starts"),
     (["--chat-template-args", "[1]"], "--chat-template-args must be a JSON object"),
     (["--decode-concurrency", "0"], "--decode-concurrency must be at least 1"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
@@ -191,3 +194,32 @@ def test_kv_bits_serves_one_at_a_time_on_a_quantized_latent(fixture_dir, demo):
                                             quantized_kv_start=8)]
     unquantized = [g.token for g in stream_generate(model, tokenizer, prompt, max_tokens=20)]
     assert got == ref and len(ref) == 20 and ref != unquantized
+
+
+@pytest.mark.parametrize("split", [["--pipeline"], []], ids=["pipeline", "tensor-parallel"])
+def test_two_ranks_serve_as_one_process(fixture_dir, demo, tmp_path, split):
+    """Under two ranks of a ring group on 127.0.0.1 (as ``mlx.launch --backend ring`` starts
+    them), each loading its part (``mlx_mla.distributed.load_sharded``), rank 0 serves and
+    the other follows its requests (mlx-lm's distributed ResponseGenerator): one request
+    and four concurrent ones get the single-process greedy answers; both ranks stop on
+    SIGTERM with status 0."""
+    model, tokenizer = demo
+    ring = tmp_path / "ring.json"
+    ring.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(2)]))
+    ranks = []
+    try:
+        for rank in (1, 0):
+            ranks.append(ServerProcess(
+                ["--model", fixture_dir, *split], tmp_path / f"rank{rank}.log",
+                env={"MLX_RANK": str(rank), "MLX_HOSTFILE": str(ring)}, wait=rank == 0))
+        client = OpenAI(base_url=ranks[1].base_url, api_key="unused", max_retries=0)
+        prompts = ["ROMEO:", "JULIET:", "To be", "O Romeo"]
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda p: client.completions.create(
+                model="default_model", prompt=p, max_tokens=12, temperature=0).choices[0].text,
+                prompts))
+        assert got == [mlx_lm_generate(model, tokenizer, tokenizer.encode(p), max_tokens=12)
+                       for p in prompts]
+    finally:
+        statuses = [r.stop() for r in ranks]
+    assert statuses == [0, 0], [r.log()[-1500:] for r in ranks]
