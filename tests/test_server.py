@@ -170,6 +170,7 @@ def _long_prompt(corpus_text, tokenizer, n_tokens):
     ("/v1/completions", {"prompt": ""}, 400, "prompt must be a non-empty string"),
     ("/v1/completions", {"prompt": [1, 2, 3]}, 400, "prompt must be a non-empty string"),
     ("/v1/completions", {"prompt": "ROMEO:", "adapters": "lora"}, 400, "adapters"),
+    ("/v1/completions", {"prompt": "ROMEO:", "draft_model": "small"}, 400, "draft models"),
     ("/v1/completions", {"prompt": "ROMEO:", "model": "mlx-community/Llama-3.2-1B-4bit"},
      404, "is not served here"),
     ("/v1/completions", "LONG", 400, "does not fit the model's context of 2048 tokens"),
