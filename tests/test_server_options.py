@@ -156,9 +156,12 @@ def test_a_stopped_request_leaves_the_batch_and_frees_its_cache(monkeypatch, fix
     provider = MLAModelProvider(build_parser().parse_args(["--model", str(fixture_dir)]))
     generator = MLAResponseGenerator(provider, LRUPromptCache(10))
     try:
+        # mlx-lm removes stopped sequences once per time budget (0.5 s); on a fast machine
+        # B's tokens all fit in one, so B would be gone too when A is removed.
+        generator._time_budget = mlx_lm.server.TimeBudget(budget=0.01)
         provider.ready.wait(120)
         ctx_a, stream_a = generator.generate(*_request("ROMEO:", 1500))
-        ctx_b, stream_b = generator.generate(*_request("JULIET:", 80))
+        ctx_b, stream_b = generator.generate(*_request("JULIET:", 300))
         for _ in range(3):
             next(stream_a)
         ctx_a.stop()
@@ -170,7 +173,7 @@ def test_a_stopped_request_leaves_the_batch_and_frees_its_cache(monkeypatch, fix
         generator.stop_and_join()
     model, tokenizer = demo
     ref = [g.token for g in stream_generate(model, tokenizer, tokenizer.encode("JULIET:"),
-                                            max_tokens=80)]
+                                            max_tokens=300)]
     assert got_b == ref
 
 
