@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 import mlx.core as mx
@@ -49,6 +50,25 @@ def fail(message: str) -> int:
     return 1
 
 
+def output_path(name: str) -> Path:
+    """The file ``save_prompt_cache`` will write for --prompt-cache-file ``name``: MLX adds
+    ``.safetensors`` when the name lacks it.
+
+    Raises:
+        ValueError: the name is a folder, or its folder does not exist (checked before any
+            work, so a long prompt is not processed for nothing).
+    """
+    path = Path(name)
+    if path.suffix != ".safetensors":
+        path = path.with_name(path.name + ".safetensors")
+    if Path(name).is_dir() or path.is_dir():
+        raise ValueError(f"--prompt-cache-file {name} is a folder: name a file in it, e.g. "
+                         f"{Path(name) / 'prompt.safetensors'}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--prompt-cache-file {name}: the folder {path.parent} does not exist")
+    return path
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit status (0, or 1 with one ``error:`` line on stderr)."""
     from mlx_lm.generate import generate_step
@@ -63,6 +83,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokenizer_config["eos_token"] = args.eos_token
     model_path = args.model or str(DEMO_MODEL)
     try:
+        out_file = output_path(args.prompt_cache_file)
         model, tokenizer = load(model_path, args.mla_strategy, args.dtype)
         if args.kv_bits is not None:
             quantized_codec(args.kv_group_size, args.kv_bits, model.args.kv_lora_rank)
@@ -96,8 +117,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         pass
     print()
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
-    save_prompt_cache(args.prompt_cache_file, cache, metadata_for(model_path, tokenizer_config))
-    print(f"Saved the latent cache of {cache[0].offset} tokens to {args.prompt_cache_file}")
+    save_prompt_cache(str(out_file), cache, metadata_for(model_path, tokenizer_config))
+    print(f"Saved the latent cache of {cache[0].offset} tokens to {out_file}")
     return 0
 
 

@@ -30,6 +30,27 @@ def test_cache_prompt_then_generate_continues_it(capsys, tmp_path):
     assert rc == 0 and out.startswith("language.\n\nBENVOLIO:\nO,"), out
 
 
+def test_cache_prompt_names_the_file_it_writes(capsys, tmp_path):
+    """MLX's save_safetensors adds ``.safetensors`` to a name without it; the message names
+    the file written, and generate continues from that name."""
+    rc, out, _ = run(capsys, cache_prompt, "--prompt", "ROMEO:", "--prompt-cache-file", tmp_path / "noext")
+    written = tmp_path / "noext.safetensors"
+    assert rc == 0 and written.is_file() and out.rstrip().endswith(f"to {written}"), out
+    rc, _, err = run(capsys, generate, "--prompt-cache-file", written, "--max-tokens", "2", "--temp", "0")
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("nodir/c.safetensors", "the folder {tmp}/nodir does not exist"),
+    (".", "is a folder: name a file in it"),
+])
+def test_cache_prompt_checks_where_it_writes_first(capsys, tmp_path, where, expected):
+    rc, out, err = run(capsys, cache_prompt, "--prompt", "ROMEO:", "--prompt-cache-file", tmp_path / where)
+    assert rc == 1 and len(err) == 1 and expected.format(tmp=tmp_path) in err[0], err
+    assert "Processed" not in out  # refused before the prompt ran
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bounded_and_quantized_caches_from_the_command_line(capsys):
     rc, out, _ = run(capsys, generate, "--max-tokens", "30", "--temp", "0", "--max-kv-size", "16")
     assert rc == 0 and "Latent cache: " in out and "for 16 tokens" in out
