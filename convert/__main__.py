@@ -28,9 +28,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--q-group-size", type=int, default=64,
                    help=f"Group size: {', '.join(map(str, recipes.SUPPORTED_GROUP_SIZES))} (default 64).")
     p.add_argument("--quant-recipe", default=recipes.DEFAULT_RECIPE,
-                   help="Which tensors get which bits: 'mla' (default, recommended: --q-bits for the "
-                   "bulk, 5-8 bits where KL measurements showed 4-bit hurts most, kv_b_proj at 8; see README) or 'uniform' "
+                   help="Which tensors get which bits: 'mla' (default, recommended: at least --q-bits "
+                   "everywhere, and extra bits where measured KL says they buy the most, "
+                   "solved on this model's shapes within --bits-per-weight; see README) or 'uniform' "
                    "(--q-bits everywhere, like mlx_lm.convert -q).")
+    p.add_argument("--bits-per-weight", type=float, default=None,
+                   help="mla recipe: the budget in bits per weight, float tensors included (default: "
+                   "--q-bits + 32/--q-group-size + 0.1, i.e. 4.6 for 4-bit, group 64). Below the "
+                   "model's floor the floor is used, with a note.")
+    p.add_argument("--min-bits", type=int, default=None,
+                   help="mla recipe: the fewest bits any module may get (default --q-bits); one below "
+                   "lets the least sensitive tensors pay for the most sensitive ones.")
+    p.add_argument("--calibration-file", default=None,
+                   help="mla recipe: a text file like the model's use; per-class sensitivities are "
+                   "measured on this model with it (KL of next-token distributions; needs the float "
+                   "model in memory) instead of the built-in ones measured on a small model.")
+    p.add_argument("--calibration-tokens", type=int, default=2048,
+                   help="Tokens of --calibration-file to use, in windows of 256 (default 2048).")
     p.add_argument("--dtype", default=None,
                    help=f"Float type of unquantized tensors and scales: {', '.join(DTYPES)} "
                    "(default: config.json's torch_dtype).")
@@ -63,6 +77,10 @@ def main(argv=None) -> int:
             dequantize=args.dequantize,
             force=args.force,
             max_shard_bytes=writer.parse_size(args.shard_size),
+            bits_per_weight=args.bits_per_weight,
+            calibration_file=args.calibration_file,
+            calibration_tokens=args.calibration_tokens,
+            min_bits=args.min_bits,
         )
         report = convert(opts)
     except ConvertError as e:
@@ -79,6 +97,10 @@ def main(argv=None) -> int:
         print(f"error: conversion failed ({type(e).__name__}: {reason}); nothing was written to "
               "--mlx-path", file=sys.stderr)
         return 1
+    for line in report.calibration:
+        print(line)
+    for line in report.notes + report.precisions:
+        print(f"[convert] {line}")
     mb = 1 << 20
     print(
         f"[convert] wrote {report.path} ({len(report.shards)} shard(s)): "
