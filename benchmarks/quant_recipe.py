@@ -28,6 +28,7 @@ to float32 computes them); a check compares against stock mlx_lm.load on one win
 
     python -m benchmarks.quant_recipe                 # fixture, ~25 minutes on 2 cores
     python -m benchmarks.quant_recipe --model code    # after train_code_checkpoint, ~15 minutes
+    python -m benchmarks.quant_recipe --steps 3,4     # keep the prior, re-check the recipe
 Writes benchmarks/results/quant_recipe_{sensitivity,bands}.csv, quant_recipe.{csv,json,png}
 (fixture), quant_recipe_code{,_layers}.csv, quant_recipe_code.json (code), and
 convert/mla_prior.json (fixture).
@@ -36,6 +37,7 @@ convert/mla_prior.json (fixture).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import tempfile
 import time
@@ -272,12 +274,10 @@ def converters(model_dir: Path, calibration: Path, budget: float | None, with_mi
         runs["mlx-lm mixed_4_6"] = lambda p: mlx_lm_convert(
             str(model_dir), str(p), quantize=True, q_bits=4, q_group_size=64, quant_predicate="mixed_4_6")
     runs["ours uniform (4-bit, g64)"] = ours(quant_recipe="uniform")
-    runs["ours mla (prior)"] = ours(quant_recipe="mla", bits_per_weight=budget)
-    runs["ours mla (--calibration-file)"] = ours(quant_recipe="mla", bits_per_weight=budget,
-                                                 calibration_file=str(calibration))
-    runs["ours mla (prior, --min-bits 3)"] = ours(quant_recipe="mla", bits_per_weight=budget, min_bits=3)
-    runs["ours mla (--calibration-file, --min-bits 3)"] = ours(
-        quant_recipe="mla", bits_per_weight=budget, min_bits=3, calibration_file=str(calibration))
+    for min_bits in (3, 4):  # 3 is the default for --q-bits 4
+        runs[f"ours mla (prior, --min-bits {min_bits})"] = ours(bits_per_weight=budget, min_bits=min_bits)
+        runs[f"ours mla (--calibration-file, --min-bits {min_bits})"] = ours(
+            bits_per_weight=budget, min_bits=min_bits, calibration_file=str(calibration))
     return runs
 
 
@@ -322,46 +322,61 @@ def engine_check(ev, folder: Path) -> float:
 
 
 # ---------------------------------------------------------------- runs
+def _update_json(path: Path, values: dict) -> None:
+    """Merge `values` into the JSON results file at `path` (steps not run keep theirs)."""
+    meta = json.loads(path.read_text()) if path.is_file() else {}
+    meta.update(values)
+    path.write_text(json.dumps(meta, indent=2))
+
+
+def _folders_step(ev, model_dir: Path, calibration_text: str, with_mixed: bool) -> tuple:
+    with tempfile.TemporaryDirectory() as tmp:
+        calib = Path(tmp) / "calibration.txt"
+        calib.write_text(calibration_text)
+        table, folders = measure_folders(ev, converters(model_dir, calib, None, with_mixed), Path(tmp))
+        diff = engine_check(ev, folders["mlx-lm -q (uniform 4-bit, g64)"])
+    print(f"[quant_recipe] engine check: max |logp mlx_lm - torch| on one window = {diff:.2e}")
+    calibration = {r["method"]: r.pop("calibration") for r in table if "calibration" in r}
+    return table, {"calibration_tables": calibration, "engine_check_max_abs_logp_diff": diff}
+
+
 def run_fixture(args) -> None:
     corpus = shared_file(args.corpus, "the held-out text the KL is measured on").read_text()
     text, calib_text = corpus[:-CALIBRATION_CHARS], corpus[-CALIBRATION_CHARS:]
-    config = json.loads((FIXTURE / "config.json").read_text())
-    lay = layout.Layout.for_config(config)
+    lay = layout.Layout.for_config(json.loads((FIXTURE / "config.json").read_text()))
     state = source_state(FIXTURE)
     ev = Evaluator(FIXTURE, text, args.max_windows)
     ev.set_reference({k: v.astype(mx.float32) for k, v in state.items()})
     print(f"[quant_recipe] fixture: {ev.windows.numel()} held-out tokens in {len(ev.windows)} windows")
-    t0 = time.time()
-
-    print("[quant_recipe] 1. sensitivity per class and option")
-    kl, sens_rows = measure_sensitivity(ev, state, lay, args.sweep_windows)
-    write_csv(sens_rows, args.out / "quant_recipe_sensitivity.csv")
-    print("[quant_recipe] 2. bands")
-    bands, band_rows = measure_bands(ev, state, lay, args.sweep_windows)
-    write_csv(band_rows, args.out / "quant_recipe_bands.csv")
-    prior = sensitivity.Sensitivity(
-        f"built-in prior (tiny-dsv2-lite-shakespeare, {args.sweep_windows} windows of {WINDOW} tokens)",
-        kl, bands)
-    sensitivity.PRIOR_FILE.write_text(json.dumps(prior.to_json(), indent=1) + "\n")
-
-    print("[quant_recipe] 3. the plan on the fixture's shapes")
+    t0, meta = time.time(), {"model": "tiny-dsv2-lite-shakespeare", "tokens": ev.windows.numel(), "window": WINDOW}
+    if {1, 2} & args.steps:
+        print("[quant_recipe] 1. sensitivity per class and option")
+        kl, sens_rows = measure_sensitivity(ev, state, lay, args.sweep_windows)
+        write_csv(sens_rows, args.out / "quant_recipe_sensitivity.csv")
+        print("[quant_recipe] 2. bands")
+        bands, band_rows = measure_bands(ev, state, lay, args.sweep_windows)
+        write_csv(band_rows, args.out / "quant_recipe_bands.csv")
+        prior = sensitivity.Sensitivity(
+            f"built-in prior (tiny-dsv2-lite-shakespeare, {args.sweep_windows} windows of {WINDOW} tokens)",
+            kl, bands)
+        sensitivity.PRIOR_FILE.write_text(json.dumps(prior.to_json(), indent=1) + "\n")
+        meta["sweep_windows"] = args.sweep_windows
     budget = plan.default_bits_per_weight(BASE)
-    checked = {f"min_bits_{b}": check_plan(ev, state, lay, prior, budget, args.sweep_windows, b) for b in (4, 3)}
-
-    print("[quant_recipe] 4. converted folders, every window")
-    with tempfile.TemporaryDirectory() as tmp:
-        calib = Path(tmp) / "calibration.txt"
-        calib.write_text(calib_text)
-        table, folders = measure_folders(ev, converters(FIXTURE, calib, None, with_mixed=True), Path(tmp))
-        diff = engine_check(ev, folders["mlx-lm -q (uniform 4-bit, g64)"])
-    print(f"[quant_recipe] engine check: max |logp mlx_lm - torch| on one window = {diff:.2e}")
-    write_csv([{k: v for k, v in r.items() if k != "calibration"} for r in table], args.out / "quant_recipe.csv")
-    meta = {"model": "tiny-dsv2-lite-shakespeare", "tokens": ev.windows.numel(), "window": WINDOW,
-            "sweep_windows": args.sweep_windows, "budget_bpw": budget, "plan_check": checked,
-            "calibration": next((r.get("calibration") for r in table if "calibration" in r), None),
-            "engine_check_max_abs_logp_diff": diff, "seconds": time.time() - t0, **machine_info()}
-    (args.out / "quant_recipe.json").write_text(json.dumps(meta, indent=2))
-    plot(sens_rows, table, args.out / "quant_recipe.png")
+    if 3 in args.steps:
+        print("[quant_recipe] 3. the plan on the fixture's shapes")
+        prior = sensitivity.load_prior()  # as the converter reads it
+        meta["plan_check"] = {f"min_bits_{b}": check_plan(ev, state, lay, prior, budget, args.sweep_windows, b)
+                              for b in (4, 3)}
+    if 4 in args.steps:
+        print("[quant_recipe] 4. converted folders, every window")
+        table, extra = _folders_step(ev, FIXTURE, calib_text, with_mixed=True)
+        write_csv(table, args.out / "quant_recipe.csv")
+        meta.update(extra)
+        with open(args.out / "quant_recipe_sensitivity.csv") as f:
+            sens_rows = [{**r, "kl": float(r["kl"])} for r in csv.DictReader(f)]
+        plot(sens_rows, table, args.out / "quant_recipe.png")
+    _update_json(args.out / "quant_recipe.json", {**meta, "budget_bpw": budget, "seconds": time.time() - t0,
+                                                   **machine_info()})
 
 
 def run_code(args) -> None:
@@ -374,24 +389,25 @@ def run_code(args) -> None:
     ev.set_reference({k: v.astype(mx.float32) for k, v in state.items()})
     print(f"[quant_recipe] code: {ev.windows.numel()} held-out tokens in {len(ev.windows)} windows")
     t0 = time.time()
-    budget = plan.default_bits_per_weight(BASE)
-    print("[quant_recipe] the plan's prediction")
-    checked = {f"min_bits_{b}": check_plan(ev, state, lay, sensitivity.load_prior(), budget, args.sweep_windows, b)
-               for b in (4, 3)}
-    print("[quant_recipe] per-layer KL, one layer of a class at a time")
-    layer_rows = measure_layers(ev, state, lay, args.sweep_windows)
-    write_csv(layer_rows, args.out / "quant_recipe_code_layers.csv")
-    print("[quant_recipe] converted folders, every window")
-    with tempfile.TemporaryDirectory() as tmp:
-        table, folders = measure_folders(ev, converters(model_dir, CALIBRATION, None, with_mixed=False), Path(tmp))
-        diff = engine_check(ev, folders["mlx-lm -q (uniform 4-bit, g64)"])
-    print(f"[quant_recipe] engine check: max |logp mlx_lm - torch| on one window = {diff:.2e}")
-    write_csv([{k: v for k, v in r.items() if k != "calibration"} for r in table], args.out / "quant_recipe_code.csv")
     meta = {"model": model_dir.name, "weights_sha256": weights_digest(model_dir), "tokens": ev.windows.numel(),
-            "window": WINDOW, "layer_windows": args.sweep_windows, "budget_bpw": budget, "plan_check": checked,
-            "calibration": next((r.get("calibration") for r in table if "calibration" in r), None),
-            "engine_check_max_abs_logp_diff": diff, "seconds": time.time() - t0, **machine_info()}
-    (args.out / "quant_recipe_code.json").write_text(json.dumps(meta, indent=2))
+            "window": WINDOW}
+    if 2 in args.steps:
+        print("[quant_recipe] 2. per-layer KL, one layer of a class at a time")
+        write_csv(measure_layers(ev, state, lay, args.sweep_windows), args.out / "quant_recipe_code_layers.csv")
+        meta["layer_windows"] = args.sweep_windows
+    budget = plan.default_bits_per_weight(BASE)
+    if 3 in args.steps:
+        print("[quant_recipe] 3. the plan's prediction")
+        prior = sensitivity.load_prior()
+        meta["plan_check"] = {f"min_bits_{b}": check_plan(ev, state, lay, prior, budget, args.sweep_windows, b)
+                              for b in (4, 3)}
+    if 4 in args.steps:
+        print("[quant_recipe] 4. converted folders, every window")
+        table, extra = _folders_step(ev, model_dir, CALIBRATION.read_text(), with_mixed=False)
+        write_csv(table, args.out / "quant_recipe_code.csv")
+        meta.update(extra)
+    _update_json(args.out / "quant_recipe_code.json", {**meta, "budget_bpw": budget, "seconds": time.time() - t0,
+                                                        **machine_info()})
 
 
 def plot(rows, table, path: Path) -> None:
@@ -432,7 +448,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--corpus", type=Path, default=SHARED_CORPUS,
                     help="fixture: held-out text (default: ../shared/corpus/shakespeare-heldout.txt)")
+    ap.add_argument("--steps", default="1,2,3,4",
+                    help="steps to run (fixture: 1-2 remake the prior, 3 the plan's prediction, 4 the "
+                    "folders; code: 2 per-layer KLs, 3, 4); results of steps not run are kept")
     args = ap.parse_args()
+    args.steps = {int(x) for x in args.steps.split(",")}
     args.out.mkdir(parents=True, exist_ok=True)
     (run_code if args.model == "code" else run_fixture)(args)
 

@@ -205,7 +205,7 @@ def ensure_checkpoint() -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=320)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--out", type=Path, default=MODEL_DIR)

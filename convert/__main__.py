@@ -24,21 +24,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mlx-path", default="mlx_model", help="Folder to write (default: mlx_model).")
     p.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights (affine, mx.quantize).")
     p.add_argument("--q-bits", type=int, default=4,
-                   help=f"Base bits per weight: {', '.join(map(str, recipes.SUPPORTED_BITS))} (default 4).")
+                   help=f"Base bits per weight: {', '.join(map(str, recipes.SUPPORTED_BITS))} (default 4; "
+                   "the mla recipe's default budget and --min-bits follow it).")
     p.add_argument("--q-group-size", type=int, default=64,
                    help=f"Group size: {', '.join(map(str, recipes.SUPPORTED_GROUP_SIZES))} (default 64).")
     p.add_argument("--quant-recipe", default=recipes.DEFAULT_RECIPE,
-                   help="Which tensors get which bits: 'mla' (default, recommended: at least --q-bits "
-                   "everywhere, and extra bits where measured KL says they buy the most, "
+                   help="Which tensors get which bits: 'mla' (default, recommended: each module its own "
+                   "bits and group, from --min-bits to 8, where measured KL says they buy the most, "
                    "solved on this model's shapes within --bits-per-weight; see README) or 'uniform' "
                    "(--q-bits everywhere, like mlx_lm.convert -q).")
     p.add_argument("--bits-per-weight", type=float, default=None,
                    help="mla recipe: the budget in bits per weight, float tensors included (default: "
-                   "--q-bits + 32/--q-group-size + 0.1, i.e. 4.6 for 4-bit, group 64). Below the "
-                   "model's floor the floor is used, with a note.")
+                   "uniform --q-bits with a scale and bias per group + 0.1, i.e. 4.6 for 4-bit, group "
+                   "64, bfloat16). Below the model's floor the floor is used, with a note.")
     p.add_argument("--min-bits", type=int, default=None,
-                   help="mla recipe: the fewest bits any module may get (default --q-bits); one below "
-                   "lets the least sensitive tensors pay for the most sensitive ones.")
+                   help="mla recipe: the fewest bits any module may get (default: the next supported "
+                   "width below --q-bits, e.g. 3 for 4, so the least sensitive tensors can pay for "
+                   "the most sensitive ones; --min-bits 4 with --q-bits 4 keeps everything >= 4).")
     p.add_argument("--calibration-file", default=None,
                    help="mla recipe: a text file like the model's use; per-class sensitivities are "
                    "measured on this model with it (KL of next-token distributions; needs the float "

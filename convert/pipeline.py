@@ -52,7 +52,7 @@ class ConvertOptions:
     bits_per_weight: float | None = None  # mla budget; None: plan.default_bits_per_weight
     calibration_file: str | None = None
     calibration_tokens: int = 2048
-    min_bits: int | None = None  # mla: fewest bits of any module; None: q_bits
+    min_bits: int | None = None  # mla: fewest bits of any module; None: plan.default_min_bits
 
     def check(self) -> None:
         """Raises ConvertError for contradictory or unsupported options."""

@@ -1,8 +1,12 @@
 """The `mla` plan: one QuantSpec per module, solved on the shapes of the model converted.
 
 Units are a tensor class in one decoder layer ("attn_o@3") or embed / lm_head. A unit's
-options are (bits, group) with bits from --min-bits (default --q-bits) up to 8 and groups
-32/64/128 that divide its input dim, so nothing that can be quantized is left float. An option's estimated KL is its class's figure (`convert.sensitivity`)
+options are (bits, group) with bits from --min-bits (default: one supported step below
+--q-bits) up to 8 and groups 32/64/128 that divide its input dim, so nothing that can be
+quantized is left float. Going one step below lets the least sensitive units (on the
+models measured: routed experts in late layers) pay for the most sensitive ones where
+coarser groups cannot (input dims that take groups of 64 at most); on the released
+DeepSeek-V2 shapes the plan takes nothing below --q-bits. An option's estimated KL is its class's figure (`convert.sensitivity`)
 times the unit's share of the class: its band weight over the sum of weights of the
 class's layers in this model. KLs of units are treated as additive (measured close at
 these error levels, benchmarks/quant_recipe.py step 3), so the plan is a multiple-choice
@@ -22,6 +26,12 @@ from . import layout as layout_mod
 from .recipes import (SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, TENSOR_CLASSES, QuantSpec, Recipe, fit_group,
                       layer_of, tensor_class)
 from .sensitivity import Sensitivity, band_of
+
+def default_min_bits(bits: int) -> int:
+    """The fewest bits the `mla` plan gives a module for a --q-bits of `bits`: the next
+    supported width below it (3 for 4, 6 for 8), or `bits` itself at the lowest (2)."""
+    return max((b for b in SUPPORTED_BITS if b < bits), default=bits)
+
 
 def default_bits_per_weight(base: QuantSpec, float_bits: int = 16) -> float:
     """The default budget: uniform quantization at the base (bits + a scale and a bias of
@@ -201,7 +211,7 @@ def plan_mla(lay, base: QuantSpec, budget_bpw: float, sens: Sensitivity,
         budget_bpw: bits per weight the whole model may take (float tensors included).
         sens: the per-class figures (the prior, or calibrated on this model).
         float_bits: bits of one float parameter of a tensor name as written (16 for bf16).
-        min_bits: the fewest bits any module gets (default base.bits).
+        min_bits: the fewest bits any module gets (default `default_min_bits(base.bits)`).
     Returns:
         the Plan; when the floor exceeds the budget, every unit at its cheapest option.
     """
@@ -218,13 +228,15 @@ def plan_mla(lay, base: QuantSpec, budget_bpw: float, sens: Sensitivity,
             totals[unit.cls] = totals.get(unit.cls, 0.0) + share[unit.name]
     keys, choices, fixed = [], [], {}
     for key, unit in units.items():
-        opts = unit_options(unit, base.bits if min_bits is None else min_bits)
+        opts = unit_options(unit, default_min_bits(base.bits) if min_bits is None else min_bits)
         if not opts:  # no supported group divides its input dim
             fixed[key] = None
             continue
         frac = share[key] / totals[unit.cls] if unit.layer is not None else 1.0
         curve = sens.curve(unit.cls)
-        scored = [(o, curve[o] * frac) for o in opts if o in curve] or [(o, 0.0) for o in opts]
+        scored = [(o, curve[o] * frac) for o in opts if o in curve]
+        if not scored:
+            raise ValueError(f"{sens.source}: no figures for {unit.cls} at any of {opts}")
         keys.append(key)
         choices.append([(o, sum(spec_bits(n, o, float_bits(f"{m}.weight")) for m, n in unit.modules), k)
                         for o, k in scored])

@@ -109,6 +109,28 @@ class Sensitivity:
         return cls(data["source"], kl, bands, dict(data.get("measured", {})))
 
 
+def fill_groups(kl: dict) -> dict:
+    """{class: curve} with the options a class could not be measured at (a group its input
+    dim did not take on the measured model, e.g. kv_b_proj at group 128 on the fixture, whose
+    kv_lora_rank is 64) estimated: the next smaller group's figure at the same bits times the
+    median ratio between the two groups over the classes measured at both."""
+    out = {c: dict(curve) for c, curve in kl.items()}
+    options = {o for curve in kl.values() for o in curve}
+    for o in sorted(options, key=lambda o: (o.bits, o.group_size)):
+        finer = QuantSpec(o.bits, o.group_size // 2)
+        ratios = sorted(curve[o] / curve[finer] for curve in kl.values()
+                        if o in curve and curve.get(finer, 0) > 0)
+        if not ratios:
+            continue
+        median = ratios[len(ratios) // 2]
+        for curve in out.values():
+            if o not in curve and finer in curve:
+                curve[o] = curve[finer] * median
+    return out
+
+
 def load_prior(path: Path = PRIOR_FILE) -> Sensitivity:
-    """The built-in figures (measured on the shared fixture; see benchmarks/quant_recipe.py)."""
-    return Sensitivity.from_json(json.loads(Path(path).read_text()))
+    """The built-in figures (measured on the shared fixture by benchmarks/quant_recipe.py),
+    completed by `fill_groups`."""
+    prior = Sensitivity.from_json(json.loads(Path(path).read_text()))
+    return Sensitivity(prior.source, fill_groups(prior.kl), prior.bands)

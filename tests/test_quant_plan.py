@@ -46,7 +46,7 @@ def _check_plan(lay, base, budget, p, min_bits=None):
         assert (spec is not None) == divisible, (key, unit.in_dim, spec)
         if spec is not None:
             assert unit.in_dim % spec.group_size == 0
-            assert spec.bits >= (min_bits or base.bits)
+            assert spec.bits >= (min_bits or plan.default_min_bits(base.bits))
     if p.floor_bpw > budget:
         assert p.planned_bpw == pytest.approx(p.floor_bpw, abs=1e-12)
         assert p.notes()[0].startswith(f"--bits-per-weight {budget:g} is below this model's floor")
@@ -150,9 +150,15 @@ def test_prior_covers_every_class_and_option():
 
     for cls in TENSOR_CLASSES:
         curve = prior.curve(cls)
-        for g in (32, 64, 128):
-            if cls == "attn_kv_b" and g == 128:
-                continue  # the fixture's kv_lora_rank (64) takes no group of 128
+        for g in (32, 64, 128):  # kv_b_proj at 128 estimated (fill_groups)
             ks = [curve[QuantSpec(b, g)] for b in SUPPORTED_BITS]
             assert all(k > 0 for k in ks), cls
             assert ks[0] > 10 * ks[-1], (cls, g)  # 2-bit vs 8-bit
+
+
+def test_fill_groups_estimates_a_missing_group_from_the_others():
+    a, b = QuantSpec(4, 64), QuantSpec(4, 128)
+    kl = {"x": {a: 1.0, b: 1.2}, "y": {a: 2.0, b: 2.6}, "z": {a: 3.0, b: 3.3}, "kv": {a: 0.5}}
+    filled = sensitivity.fill_groups(kl)
+    assert filled["kv"][b] == pytest.approx(0.5 * 1.2)  # the median ratio of 1.1, 1.2, 1.3
+    assert filled["x"] == kl["x"]
