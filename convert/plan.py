@@ -3,12 +3,12 @@
 Units are a tensor class in one decoder layer ("attn_o@3") or embed / lm_head. A unit's
 options are (bits, group) with bits from --min-bits (default: one supported step below
 --q-bits) up to 8 and groups 32/64/128 that divide its input dim, so nothing that can be
-quantized is left float. Going one step below lets the least sensitive units (on the
-models measured: routed experts in late layers) pay for the most sensitive ones where
-coarser groups cannot (input dims that take groups of 64 at most); on the released
-DeepSeek-V2 shapes the plan takes nothing below --q-bits. An option's estimated KL is its class's figure (`convert.sensitivity`)
-times the unit's share of the class: its band weight over the sum of weights of the
-class's layers in this model. KLs of units are treated as additive (measured close at
+quantized is left float. Going one step below lets the least sensitive units pay for the
+most sensitive ones where coarser groups cannot (input dims that take groups of 64 at
+most); on the released DeepSeek-V2 shapes the plan takes nothing below --q-bits.
+An option's estimated KL is its class's figure (`convert.sensitivity`) times the unit's
+share of the class: its band weight over the sum of weights of the class's layers in
+this model. KLs of units are treated as additive (measured close at
 these error levels, benchmarks/quant_recipe.py step 3), so the plan is a multiple-choice
 knapsack: minimise summed KL with stored bits <= budget x parameters. Bits are counted as
 the writer stores them (packed weights, a scale and a bias per group in the float dtype),
@@ -26,6 +26,7 @@ from . import layout as layout_mod
 from .recipes import (SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, TENSOR_CLASSES, QuantSpec, Recipe, fit_group,
                       layer_of, tensor_class)
 from .sensitivity import Sensitivity, band_of
+
 
 def default_min_bits(bits: int) -> int:
     """The fewest bits the `mla` plan gives a module for a --q-bits of `bits`: the next
@@ -217,15 +218,11 @@ def plan_mla(lay, base: QuantSpec, budget_bpw: float, sens: Sensitivity,
     """
     units, rest = units_of(lay)
     n_layers, first_moe = model_layers(lay)
-    share = {}
-    for unit in units.values():
-        if unit.layer is not None:
-            w = sens.weight(unit.cls, band_of(unit.layer, n_layers, first_moe))
-            share[unit.name] = w
+    share = {u.name: sens.weight(u.cls, band_of(u.layer, n_layers, first_moe))
+             for u in units.values() if u.layer is not None}
     totals = {}
-    for unit in units.values():
-        if unit.layer is not None:
-            totals[unit.cls] = totals.get(unit.cls, 0.0) + share[unit.name]
+    for name, w in share.items():
+        totals[units[name].cls] = totals.get(units[name].cls, 0.0) + w
     keys, choices, fixed = [], [], {}
     for key, unit in units.items():
         opts = unit_options(unit, default_min_bits(base.bits) if min_bits is None else min_bits)
