@@ -7,12 +7,18 @@ Benchmarks are modules of the ``benchmarks`` package, run from the repository ro
 from __future__ import annotations
 
 import csv
+import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List, Sequence
 
 import mlx.core as mx
+
+from mlx_mla import blas
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -36,6 +42,15 @@ V2_LITE: Dict = {
                      "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
     "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 100000, "eos_token_id": 100001,
+}
+
+# DeepSeek-V2's config.json (deepseek-ai/DeepSeek-V2; V2-Chat, Coder-V2 and V2.5 have the same
+# shapes — V2.5 differs only in YaRN's mscale, 1.0): 236B parameters, 21B active.
+V2: Dict = {
+    **V2_LITE, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_routed_experts": 160, "routed_scaling_factor": 16.0, "q_lora_rank": 1536,
+    "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3,
 }
 
 
@@ -79,15 +94,84 @@ def shared_file(path: Path, what: str) -> Path:
     return Path(path)
 
 
+# Environment variables that change which BLAS kernels run (recorded with every result).
+BLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+            "MLX_MLA_BLAS", "LD_PRELOAD")
+
+
 def machine_info() -> Dict:
-    """Where a benchmark ran: CPU, cores, OS, MLX backend and versions."""
+    """Where a benchmark ran: CPU, cores, OS, MLX backend and versions, and the BLAS MLX
+    multiplies with (``mlx_mla.blas.describe``; "gpu" on a GPU backend, whose matmuls do
+    not use it) with the BLAS-related variables set."""
     import mlx_lm
 
+    b = blas.describe()
+    cpu = mx.default_device() == mx.cpu
     return {
         "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, {platform.system()}",
-        "backend": "MLX CPU" if mx.default_device() == mx.cpu else "MLX GPU",
+        "backend": "MLX CPU" if cpu else "MLX GPU",
         "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+        "blas": b["kind"] if cpu else "gpu", "blas_label": b["label"] if cpu else "none (GPU backend)",
+        "blas_preload": b["preload"],
+        "blas_env": {k: os.environ[k] for k in BLAS_ENV if k in os.environ},
     }
+
+
+# The BLAS a benchmark can be asked to run under (one fresh process each: a process cannot
+# change its BLAS once MLX is loaded). "reference" keeps MLX's bundled netlib BLAS;
+# "openblas" needs `pip install "mlx-mla[openblas]"` (mlx_mla.blas); "current": whatever
+# this environment gives (a GPU backend, macOS' Accelerate), not checked.
+BLAS_CHOICES = ("reference", "openblas", "current")
+
+
+def default_blas() -> List[str]:
+    """On MLX's CPU backend: OpenBLAS then reference where OpenBLAS is installed (and MLX
+    bundles the reference BLAS), else the one this process has; on a GPU: "current"."""
+    if mx.default_device() != mx.cpu or blas.describe()["kind"] not in ("reference", "openblas"):
+        return ["current"]
+    if blas.openblas_library() is not None:
+        return ["openblas", "reference"]
+    return [blas.describe()["kind"]]
+
+
+def run_per_blas(module: str, argv: Sequence[str], names: Sequence[str],
+                 log: Callable = print) -> List[Dict]:
+    """Run ``python -m module *argv --worker-out FILE`` once per BLAS in ``names``, each in a
+    fresh process with ``MLX_MLA_BLAS`` set for it, and return their results in order:
+    [{"meta": machine_info() of that process, "rows": [...]}], every row with a ``blas``
+    field. The worker writes that JSON to FILE (see ``worker_result``).
+
+    Raises:
+        SystemExit: a worker failed, or did not get the BLAS it was started for.
+    """
+    out = []
+    for name in names:
+        if name not in BLAS_CHOICES:
+            raise SystemExit(f"error: unknown BLAS {name!r}: choose from {', '.join(BLAS_CHOICES)}")
+        env = dict(os.environ)
+        if name != "current":
+            env["MLX_MLA_BLAS"] = "reference" if name == "reference" else "auto"
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "rows.json"
+            log(f"--- {module} under {name} BLAS")
+            proc = subprocess.run([sys.executable, "-m", module, *argv, "--worker-out", str(result)],
+                                  env=env, cwd=ROOT)
+            if proc.returncode != 0 or not result.exists():
+                raise SystemExit(f"error: {module} under {name} BLAS failed (exit {proc.returncode})")
+            data = json.loads(result.read_text())
+        if name != "current" and data["meta"]["blas"] != name:
+            raise SystemExit(f"error: asked for {name} BLAS, the worker ran on "
+                             f"{data['meta']['blas_label']} ({data['meta']['blas_preload']})")
+        out.append(data)
+    return out
+
+
+def worker_result(path: Path, rows: List[Dict], meta: Dict = None) -> None:
+    """Write a ``run_per_blas`` worker's rows (each tagged with this process's BLAS) and
+    meta (``machine_info()`` plus ``meta``) to ``path`` as JSON."""
+    info = {**machine_info(), **(meta or {})}
+    tagged = [{"blas": info["blas"], **r} for r in rows]
+    Path(path).write_text(json.dumps({"meta": info, "rows": tagged}))
 
 
 def write_csv(rows: List[Dict], path: Path, fields: List[str] = None) -> None:

@@ -2,8 +2,9 @@
 
 The model: DeepSeek-V2-Lite's real dimensions (hidden 2048, 16 heads, kv_lora_rank 512,
 rope 64 / nope 128 / v 128, 64 routed experts top-6 + 2 shared of 1408, dense
-intermediate 10944 in layer 0, vocab 102400, YaRN factor 40) with fewer layers (default 1,
-an MoE layer, as 26 of V2-Lite's 27 are; ``--layers N`` keeps layer 0 dense), random
+intermediate 10944 in layer 0, vocab 102400, YaRN factor 40) with fewer layers (default 2,
+both MoE layers, as 26 of V2-Lite's 27 are; ``--dense-layers K`` makes the first K dense,
+V2-Lite has 1), random
 weights, quantized 4-bit / group 64 once and written as an mlx-lm folder (mlx-lm's
 ``quantize_model`` / ``save_model``, as ``mlx_lm.convert -q`` does, ``kv_b_proj`` included)
 in a temporary directory. Every engine reads that folder through its own loader:
@@ -17,12 +18,16 @@ in a temporary directory. Every engine reads that folder through its own loader:
   ``noaux_tc``, zero correction bias) rather than V2's softmax — same expert count and
   top-k, so the same work per token; what is compared is the attention and the cache.
 
-Measured, per engine: decode tok/s at contexts 512, 4K, 16K (the caches are filled
+Measured, per engine: decode tok/s at contexts 512 and 16K (``--contexts``; the caches are filled
 directly with random latents / keys — prefilling 16K tokens through the MoE would take
 minutes on 2 cores — then mlx-lm's ``generate_step`` runs a few steps on top); prefill
-tok/s for 2K tokens (``generate_step`` with prefill_step_size 2048 — which evaluates only
-the cache state, so the last layer's FFN never runs for prompt tokens: with one layer, this
-is embedding + attention-projection throughput, not the full model's); weight bytes, cache
+tok/s for 2K tokens (``generate_step`` with prefill_step_size 2048, which evaluates only
+the cache state, so the last layer's FFN never runs for prompt tokens: with the default two
+MoE layers a prompt token goes through embedding, attention + MoE (routed and shared
+experts) in layer 0 and attention in layer 1; with one layer no MoE would run), for
+mlx_mla auto and mlx-lm v2 (``--prefill-v3`` adds v3: minutes on 2 cores); the attention
+share of a decode step (every layer's attention module timed alone on the same cache,
+over the whole step's time); weight bytes, cache
 bytes per token, peak memory (weights + cache + the step's transient, from
 ``mx.get_peak_memory``). Two comparisons: each engine at its defaults (mlx_mla: float32
 activations on CPU; mlx-lm: the checkpoint's bfloat16), and every engine in float32.
@@ -30,10 +35,13 @@ activations on CPU; mlx-lm: the checkpoint's bfloat16), and every engine in floa
 Longest context for a memory budget (default 16 GiB), at V2-Lite's full 27 layers:
 weights(27) + S · (cache/token(27) + transient slope) + transient intercept ≤ budget, with
 weights extrapolated per layer from the measured model and the transient fitted over the
-three contexts; verified here at small scale by running at the context the same formula
+measured contexts; verified here at small scale by running at the context the same formula
 gives for a small budget and comparing the measured peak with the prediction.
 
-    python -m benchmarks.e2e_decode                # ~5 minutes on a 2-core CPU
+Each BLAS (``--blas``; default both where ``mlx-mla[openblas]`` is installed) runs in its own
+process; every row carries a ``blas`` column, the JSON the meta and ratios per BLAS.
+
+    python -m benchmarks.e2e_decode                # ~15 minutes per BLAS on a 2-core CPU
 Writes benchmarks/results/e2e_decode.{csv,json}, e2e_budget.csv, e2e_decode.png.
 """
 
@@ -42,27 +50,28 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
-from mlx_mla import DEMO_MODEL
 from mlx_mla.cache import cache_bytes_per_token
-from mlx_mla.dtypes import DTYPES, cast_floating
+from mlx_mla.dtypes import DTYPES
 
-from .common import RESULTS, V2_LITE, machine_info, with_layers, write_csv
+from .common import (RESULTS, V2_LITE, default_blas, run_per_blas, with_layers, worker_result,
+                     write_csv)
+from .engines import load_engine, lazy_weight_bytes, weight_bytes, write_folders
 
 FULL_LAYERS = 27
-STRATEGIES = ("auto", "naive", "absorb-materialized", "absorb")
+# mlx_mla strategies timed by default (``--strategies`` for naive / absorb-materialized: at
+# 16K on 2 cores, naive's decode step takes tens of seconds).
+STRATEGIES = ("auto", "absorb")
+ALL_STRATEGIES = ("auto", "naive", "absorb-materialized", "absorb")
 GiB = 2**30
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 # ---------------------------------------------------------------- weights and engines
@@ -71,96 +80,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def make_config(layers: int, base: Optional[dict] = None) -> dict:
     """``base`` (default V2_LITE) with ``layers`` decoder layers."""
     return with_layers(base or V2_LITE, layers)
-
-
-def write_random_folder(config: dict, folder: Path, bits: int = 4, group_size: int = 64,
-                        seed: int = 0) -> Path:
-    """An mlx-lm folder of random weights at ``config``'s shape, quantized as
-    ``mlx_lm.convert -q`` does (mlx-lm's ``quantize_model`` / ``save_model``), so every
-    engine reads it through its own loader, as users would. The router gets random weights
-    (MLX initialises it to zeros) so routing spreads over the experts. Tokenizer files are
-    the demo checkpoint's (the loaders need one; the benchmark feeds token ids)."""
-    from mlx_lm.models import deepseek_v2 as v2
-    from mlx_lm.utils import quantize_model, save_config, save_model
-
-    mx.random.seed(seed)
-    model = v2.Model(v2.ModelArgs.from_dict(config))
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "gate"):
-            layer.mlp.gate.weight = mx.random.normal(layer.mlp.gate.weight.shape) * 0.02
-    model, out_config = quantize_model(model, dict(config), group_size, bits)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_model(folder, model)
-    save_config(out_config, config_path=folder / "config.json")
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(DEMO_MODEL / name, folder / name)
-    return folder
-
-
-def v3_overrides(config: dict) -> dict:
-    """The same dimensions as a ``deepseek_v3`` config (V3 router: sigmoid + noaux_tc)."""
-    return {"model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-            "n_group": 1, "topk_group": 1}
-
-
-def v3_folder(v2_folder: Path, folder: Path, config: dict) -> Path:
-    """``v2_folder``'s weights (linked, not copied) as a ``deepseek_v3`` folder: its config
-    with ``v3_overrides`` and zero e_score_correction_bias tensors for the V3 router."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in v2_folder.iterdir():
-        if f.name.endswith(".safetensors") or f.name in TOKENIZER_FILES:
-            (folder / f.name).symlink_to(f.resolve())
-    v2_config = json.loads((v2_folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**v2_config, **v3_overrides(config)}))
-    bias = {f"model.layers.{i}.mlp.gate.e_score_correction_bias": mx.zeros((config["n_routed_experts"],))
-            for i in range(config["num_hidden_layers"])
-            if i >= config["first_k_dense_replace"]}
-    if bias:
-        mx.save_safetensors(str(folder / "model-v3-router.safetensors"), bias)
-    return folder
-
-
-def load_engine(engine: str, folders: Dict[str, Path], dtype: mx.Dtype):
-    """An engine by name from its folder, through its own loader: ``mlx_mla.load`` for
-    "mlx_mla <strategy>", stock ``mlx_lm.load`` for "mlx-lm v2" / "mlx-lm v3" (float
-    parameters then cast to ``dtype``, as ``mlx_mla.load`` casts its own)."""
-    if engine.startswith("mlx_mla"):
-        import mlx_mla
-
-        model, _ = mlx_mla.load(folders["v2"], mla_strategy=engine.split(" ", 1)[1], dtype=dtype)
-        return model
-    import mlx_lm
-
-    model, _ = mlx_lm.load(str(folders["v2" if engine == "mlx-lm v2" else "v3"]))
-    return cast_floating(model, dtype)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters plus any weights its MLA strategy derives and keeps
-    outside them (absorb-materialized's precomputed matrices)."""
-    return (sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-            + getattr(model, "derived_nbytes", 0))
-
-
-def lazy_weight_bytes(engine: str, config: dict, dtype: mx.Dtype, bits: int = 4,
-                      group_size: int = 64) -> int:
-    """Weight bytes of ``engine`` at ``config``'s shape from shapes alone (lazy arrays, no
-    weights read or allocated): the model class quantized as its loader would quantize a
-    ``write_random_folder`` folder, float parameters in ``dtype``."""
-    if engine.startswith("mlx_mla"):
-        from mlx_mla import Model, ModelArgs
-
-        model = Model(ModelArgs.from_dict(config))
-    else:
-        from mlx_lm.models import deepseek_v2, deepseek_v3
-
-        mod = deepseek_v2 if engine == "mlx-lm v2" else deepseek_v3
-        cfg = config if engine == "mlx-lm v2" else {**config, **v3_overrides(config)}
-        model = mod.Model(mod.ModelArgs.from_dict(cfg))
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=lambda _, m: (
-        hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0))
-    cast_floating(model, dtype, evaluate=False)
-    return weight_bytes(model)
 
 
 # ---------------------------------------------------------------- caches
@@ -218,6 +137,25 @@ def decode(model, cache, steps: int, token: int = 1000) -> Dict[str, float]:
     return {"decode_tps": 1.0 / float(np.median(intervals)), "transient_bytes": float(transient)}
 
 
+def attention_step_ms(model, cache, hidden: int, steps: int = 3, seed: int = 3) -> float:
+    """ms of one decode step's attention: every layer's attention module (``self_attn``,
+    the same call signature in mlx_mla and mlx-lm) on a random (1, 1, hidden) input over
+    that layer's cache, all layers evaluated together as a step is; median of ``steps``
+    after one warm-up, the caches trimmed back after each."""
+    x = mx.random.normal((1, 1, hidden), key=mx.random.key(seed)).astype(
+        model.layers[0].input_layernorm.weight.dtype)
+    mx.eval(x)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        mx.eval([layer.self_attn(x, None, c) for layer, c in zip(model.layers, cache)])
+        if i:
+            times.append(time.perf_counter() - t0)
+        for c in cache:
+            c.trim(1)
+    return 1e3 * float(np.median(times))
+
+
 def prefill(model, n_tokens: int, vocab: int, seed: int = 2) -> Dict[str, float]:
     """Prefill ``n_tokens`` random tokens with ``generate_step`` (one chunk), timed to the
     first generated token. Returns tok/s and peak bytes above the weights."""
@@ -240,16 +178,12 @@ def engines_for(strategies=STRATEGIES) -> List[str]:
     return [f"mlx_mla {s}" for s in strategies] + ["mlx-lm v2", "mlx-lm v3"]
 
 
-def write_folders(config: dict, workdir: Path) -> Dict[str, Path]:
-    """The random 4-bit folder every engine loads ("v2"), and its deepseek_v3 twin ("v3")."""
-    v2 = write_random_folder(config, workdir / "v2")
-    return {"v2": v2, "v3": v3_folder(v2, workdir / "v3", config)}
-
-
 def plans(strategies=STRATEGIES, default_dtypes=None):
     """[(comparison, engine, dtype name)]: every engine in float32, then each engine at its
-    defaults (mlx_mla: float32 on the CPU; mlx-lm: the checkpoint's bfloat16)."""
-    default_dtypes = default_dtypes or {"mlx_mla": "float32", "mlx-lm": "bfloat16"}
+    defaults (mlx_mla: float32 on the CPU backend, the checkpoint's bfloat16 on a GPU;
+    mlx-lm: the checkpoint's bfloat16)."""
+    default_dtypes = default_dtypes or {
+        "mlx_mla": "float32" if mx.default_device() == mx.cpu else "bfloat16", "mlx-lm": "bfloat16"}
     out = [("same dtype (float32)", e, "float32") for e in engines_for(strategies)]
     for e in ("mlx_mla auto", "mlx-lm v2", "mlx-lm v3"):
         out.append(("defaults", e, default_dtypes[e.split(" ")[0]]))
@@ -258,14 +192,14 @@ def plans(strategies=STRATEGIES, default_dtypes=None):
 
 def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
         decode_steps: int = 4, strategies=STRATEGIES, default_dtypes=None,
-        prefill_for=(("same dtype (float32)", "mlx_mla auto"), ("same dtype (float32)", "mlx-lm v2"),
-                     ("same dtype (float32)", "mlx-lm v3")),
+        prefill_for=(("same dtype (float32)", "mlx_mla auto"), ("same dtype (float32)", "mlx-lm v2")),
         folders: Dict[str, Path] = None, log=print) -> List[dict]:
     """One row per (comparison, engine, context), every engine loaded from ``folders``
     (``write_folders``). Prefill is measured only for the (comparison, engine) pairs in
-    ``prefill_for`` (others: None) — on 2 cores a 2K-token prefill through the 4-bit MoE
-    takes minutes per engine, and ``auto`` prefills with ``naive`` on the CPU, so naive's
-    prefill is auto's."""
+    ``prefill_for`` (others: None) — on 2 cores a 2K-token prefill through mlx-lm's 4-bit
+    MoE takes minutes per engine, and ``auto`` prefills a 2K chunk with ``naive``, so
+    naive's prefill is auto's. ``attention_ms``: ``attention_step_ms`` on the same cache
+    (float32 comparison only; None for the defaults)."""
     rows = []
     for comparison, engine, dtype_name in plans(strategies, default_dtypes):
         dtype = DTYPES[dtype_name]
@@ -281,10 +215,14 @@ def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
         for S in contexts:
             cache = fill_cache(engine, model, config, S, dtype)
             d = decode(model, cache, decode_steps)
+            attn_ms = (attention_step_ms(model, cache, config["hidden_size"])
+                       if comparison == "same dtype (float32)" else None)
             row = {
                 "comparison": comparison, "engine": engine, "dtype": dtype_name,
                 "layers": config["num_hidden_layers"], "context": S,
-                "decode_tps": d["decode_tps"], "prefill_tokens": prefill_tokens,
+                "decode_tps": d["decode_tps"], "attention_ms": attn_ms,
+                "attention_share": attn_ms * d["decode_tps"] / 1e3 if attn_ms else None,
+                "prefill_tokens": prefill_tokens,
                 "prefill_tps": pf["prefill_tps"], "weight_bytes": wbytes,
                 "cache_bytes_per_token": cache_bytes_per_token(cache),
                 "cache_bytes": cache_nbytes(cache), "transient_bytes": d["transient_bytes"],
@@ -293,8 +231,8 @@ def run(config: dict, contexts=(512, 4096, 16384), prefill_tokens: int = 2048,
                                        if pf["prefill_peak_bytes"] is not None else None),
             }
             rows.append(row)
-            log(f"[{comparison}] {engine} {dtype_name} S={S}: decode {d['decode_tps']:.2f} tok/s, "
-                f"cache {row['cache_bytes_per_token']:.0f} B/tok, peak {row['peak_bytes'] / GiB:.2f} GiB")
+            share = f" (attention {row['attention_share']:.0%})" if attn_ms else ""
+            log(f"[{comparison}] {engine} {dtype_name} S={S}: decode {d['decode_tps']:.2f} tok/s{share}, cache {row['cache_bytes_per_token']:.0f} B/tok, peak {row['peak_bytes'] / GiB:.2f} GiB")
             del cache
         del model, warm
         gc.collect()
@@ -395,7 +333,14 @@ def ratios(rows: List[dict]) -> Dict[str, float]:
         return next(r for r in rows if (r["comparison"], r["engine"], r["context"]) == (comparison, engine, S))
     lo, hi = min(r["context"] for r in rows), max(r["context"] for r in rows)
     ours_lo, ours_hi = get("mlx_mla auto", lo), get("mlx_mla auto", hi)
+    extra = {}
+    if ours_lo["prefill_tps"] and get("mlx-lm v2", lo)["prefill_tps"]:
+        extra["prefill_vs_v2_same_dtype"] = ours_lo["prefill_tps"] / get("mlx-lm v2", lo)["prefill_tps"]
     return {
+        **extra,
+        f"decode_{hi}_vs_v2_same_dtype": ours_hi["decode_tps"] / get("mlx-lm v2", hi)["decode_tps"],
+        f"attention_share_{hi}_mlx_mla_auto": ours_hi["attention_share"],
+        f"attention_share_{hi}_mlx_lm_v2": get("mlx-lm v2", hi)["attention_share"],
         "cache_bytes_ratio_vs_v2": ours_lo["cache_bytes_per_token"] / get("mlx-lm v2", lo)["cache_bytes_per_token"],
         f"decode_{lo}_vs_v2_same_dtype": ours_lo["decode_tps"] / get("mlx-lm v2", lo)["decode_tps"],
         f"decode_{hi}_vs_v3_same_dtype": ours_hi["decode_tps"] / get("mlx-lm v3", hi)["decode_tps"],
@@ -412,8 +357,10 @@ def write_results(rows, budget, checks, meta, out_dir: Path = RESULTS) -> Dict[s
              "json": out_dir / "e2e_decode.json", "png": out_dir / "e2e_decode.png"}
     write_csv(rows, paths["csv"])
     write_csv(budget, paths["budget"])
+    per_blas = {b: ratios([r for r in rows if r.get("blas", "") == b])
+                for b in dict.fromkeys(r.get("blas", "") for r in rows)}
     paths["json"].write_text(json.dumps({"meta": meta, "rows": rows, "budget": budget,
-                                         "budget_checks": checks, "ratios": ratios(rows)}, indent=2))
+                                         "budget_checks": checks, "ratios": per_blas}, indent=2))
     plot(rows, budget, paths["png"])
     return paths
 
@@ -424,20 +371,24 @@ def plot(rows, budget, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for comparison, style in (("same dtype (float32)", "-o"), ("defaults", "--s")):
-        for engine in dict.fromkeys(r["engine"] for r in rows if r["comparison"] == comparison):
-            sel = sorted((r for r in rows if (r["comparison"], r["engine"]) == (comparison, engine)),
-                         key=lambda r: r["context"])
-            label = f"{engine} ({sel[0]['dtype']}{', default' if comparison == 'defaults' else ''})"
-            axes[0].plot([r["context"] for r in sel], [r["decode_tps"] for r in sel], style, label=label)
+    blases = list(dict.fromkeys(r.get("blas", "") for r in rows))
+    for b, style in zip(blases, ("-o", "--s", ":^")):
+        for engine in dict.fromkeys(r["engine"] for r in rows):
+            sel = sorted((r for r in rows if (r.get("blas", ""), r["comparison"], r["engine"])
+                          == (b, "same dtype (float32)", engine)), key=lambda r: r["context"])
+            if sel:
+                axes[0].plot([r["context"] for r in sel], [r["decode_tps"] for r in sel], style,
+                             label=f"{engine} (f32{', ' + b if b else ''})")
     axes[0].set(xscale="log", xlabel="context (tokens)", ylabel="decode tok/s",
-                title=f"decode, {rows[0]['layers']}-layer V2-Lite-shaped 4-bit model")
+                title=f"decode, {rows[0]['layers']}-layer V2-Lite-shaped 4-bit model, float32")
     axes[0].legend(fontsize=7)
-    f32 = [r for r in rows if r["comparison"] == "same dtype (float32)" and r["context"] == rows[0]["context"]]
+    f32 = [r for r in rows if r["comparison"] == "same dtype (float32)" and r["context"] == rows[0]["context"]
+           and r.get("blas", "") == blases[0]]
     axes[1].bar([r["engine"].replace("mlx_mla ", "mla ") for r in f32],
                 [r["cache_bytes_per_token"] / r["layers"] / 1024 for r in f32])
     axes[1].set(ylabel="KiB per token per layer (float32)", title="cache bytes per token")
     axes[1].tick_params(axis="x", rotation=30, labelsize=7)
+    budget = [b for b in budget if b.get("blas", "") == blases[0]]  # bytes: the same per BLAS
     axes[2].bar([f"{b['engine']}\n{b['dtype']}" for b in budget], [b["max_context"] / 1000 for b in budget])
     axes[2].set(ylabel="thousand tokens", title=f"longest context in {budget[0]['budget_bytes'] / GiB:.0f} GiB, 27 layers")
     axes[2].tick_params(axis="x", labelsize=7)
@@ -446,36 +397,73 @@ def plot(rows, budget, path: Path) -> None:
     plt.close(fig)
 
 
+def _without(argv: List[str], *flags: str) -> List[str]:
+    """``argv`` without ``flags`` and the values that follow each."""
+    out, skip = [], False
+    for a in argv:
+        if a in flags:
+            skip = True
+        elif skip and not a.startswith("--"):
+            continue
+        else:
+            skip = False
+            out.append(a)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 16384])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dense-layers", type=int, default=0,
+                   help="how many first layers are dense (V2-Lite: 1); default 0, so the layer "
+                        "whose FFN prefill runs is an MoE layer")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 16384])
     p.add_argument("--prefill-tokens", type=int, default=2048)
+    p.add_argument("--prefill-v3", action="store_true", help="also time mlx-lm v3's prefill")
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=ALL_STRATEGIES,
+                   help=f"mlx_mla strategies to time (default: {' '.join(STRATEGIES)})")
     p.add_argument("--decode-steps", type=int, default=4)
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--check-extra-mib", type=float, default=256.0)
+    p.add_argument("--blas", nargs="+", default=None,
+                   help="reference, openblas (CPU; default: both where OpenBLAS is installed) or current (this backend as it is: a GPU)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--workdir", type=Path, default=None,
                    help="where to write the random model folder (a temporary one inside it)")
+    p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     t0 = time.time()
-    # first_k_dense_replace 0 for a 1-layer model, so the one layer is an MoE layer (26 of
-    # V2-Lite's 27 are); with more layers layer 0 is dense, as in V2-Lite.
+    if not args.worker_out:
+        forward = _without(sys.argv[1:] if argv is None else list(argv), "--blas", "--out")
+        results = []
+        for name in args.blas or default_blas():  # files rewritten after each BLAS's run
+            results += run_per_blas("benchmarks.e2e_decode", forward, [name])
+            rows = [r for res in results for r in res["rows"]]
+            budget = [{"blas": res["meta"]["blas"], **b} for res in results
+                      for b in res["meta"]["budget"]]
+            checks = [{"blas": res["meta"]["blas"], **c} for res in results
+                      for c in res["meta"]["budget_checks"]]
+            meta = {res["meta"]["blas"]: {k: v for k, v in res["meta"].items()
+                                          if k not in ("budget", "budget_checks")} for res in results}
+            paths = write_results(rows, budget, checks, meta, args.out)
+        print(json.dumps(json.loads(paths["json"].read_text())["ratios"], indent=2))
+        print(f"wrote {', '.join(str(v) for v in paths.values())} in {time.time() - t0:.0f} s")
+        return 0
     config = make_config(args.layers)
-    if args.layers == 1:
-        config["first_k_dense_replace"] = 0
+    config["first_k_dense_replace"] = args.dense_layers
+    prefill_for = [("same dtype (float32)", e) for e in
+                   ("mlx_mla auto", "mlx-lm v2") + (("mlx-lm v3",) if args.prefill_v3 else ())]
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         folders = write_folders(config, Path(tmp))
         rows = run(config, tuple(args.contexts), args.prefill_tokens, args.decode_steps,
+                   strategies=tuple(args.strategies), prefill_for=tuple(prefill_for),
                    folders=folders)
         budget = budget_table(rows, config, args.budget_gib * GiB)
         checks = verify_budget(rows, config, folders, args.check_extra_mib * 2**20)
-    meta = {**machine_info(), "layers": args.layers, "decode_steps": args.decode_steps,
-            "quantization": "4-bit, group 64 (mlx_lm.utils.quantize_model)",
-            "seconds": time.time() - t0}
-    paths = write_results(rows, budget, checks, meta, args.out)
-    print(json.dumps(ratios(rows), indent=2))
-    print(f"wrote {', '.join(str(v) for v in paths.values())} in {time.time() - t0:.0f} s")
+    worker_result(args.worker_out, rows, {
+        "layers": args.layers, "dense_layers": args.dense_layers,
+        "decode_steps": args.decode_steps, "quantization": "4-bit, group 64 (mlx_lm.utils.quantize_model)",
+        "seconds": time.time() - t0, "budget": budget, "budget_checks": checks})
     return 0
 
 

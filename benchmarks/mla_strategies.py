@@ -7,19 +7,27 @@ filled directly (random latents), no prefill. Timed per point: warm-up, then the
 ``repeats`` calls, each ``mx.eval``'d; all rows of a point come from the same run, so their
 ratios are what to read on a noisy machine.
 
+Points: decode steps (L = 1) at ``contexts``; a prefill chunk of ``prefill`` tokens on an
+empty cache; short prefill chunks of ``chunks`` tokens over ``chunk_cache`` cached
+positions (the phase where ``auto`` may switch from naive to absorb for prefill).
+
 Rows: ``naive``, ``absorb-materialized``, ``absorb``, ``auto`` (mlx_mla.attention
 strategies over a ``LatentCache``); ``mlx-lm deepseek_v2`` (``DeepseekV2Attention`` over a
 full K/V ``KVCache``) and ``mlx-lm deepseek_v3`` (``DeepseekV3Attention``: absorbed, latent
 ``KVCache``). Beside each time: the analytic FLOPs and bytes read
 (``mlx_mla.attention.costs``) and the cache bytes.
 
-    python -m benchmarks.mla_strategies            # ~5 minutes on a 2-core CPU
-Writes benchmarks/results/mla_strategies.csv and mla_strategies.png.
+Each BLAS (``--blas``; default both where ``mlx-mla[openblas]`` is installed) runs in its own
+process; rows carry a ``blas`` column.
+
+    python -m benchmarks.mla_strategies            # ~8 + 4 minutes on a 2-core CPU
+Writes benchmarks/results/mla_strategies.csv, .json (meta per BLAS) and .png.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -29,17 +37,18 @@ import mlx.nn as nn
 import numpy as np
 
 from mlx_mla.attention import MLAttention, costs, make_strategy
-from mlx_mla.attention.strategies.auto import backend_name, choose
-from mlx_mla.attention.strategies.auto import CROSSOVER_TABLES, DEFAULT_TABLE
+from mlx_mla.attention.strategies.auto import Table, backend_key, backend_name, choose, table_for
 from mlx_mla.cache import LatentCache
 from mlx_mla.config import ModelArgs
 
-from .common import RESULTS, V2_LITE, write_csv
+from .common import RESULTS, V2_LITE, default_blas, run_per_blas, worker_result, write_csv
 
 STRATEGY_ROWS = ["naive", "absorb-materialized", "absorb", "auto"]
 PEER_ROWS = ["mlx-lm deepseek_v2", "mlx-lm deepseek_v3"]
 CONTEXTS = [512, 2048, 8192, 16384]
 PREFILL = 2048
+CHUNKS = [16, 64, 128, 256]  # short prefill chunks ...
+CHUNK_CACHE = 4096  # ... over this many cached positions
 BITS, GROUP = 4, 64
 DTYPE = mx.float32
 
@@ -111,15 +120,15 @@ def filled_cache(kind: str, config: Dict, S: int, spare: int, seed: int = 1):
     n = S + spare
     if kind == "latent":
         cache = LatentCache()
-        cache.c_kv, cache.k_pe = _rand((1, n, r), seed), _rand((1, n, dr), seed + 1)
+        cache.update_and_fetch(_rand((1, n, r), seed), _rand((1, n, dr), seed + 1))
     else:
         cache = KVCache()
         if kind == "v2":
-            cache.keys, cache.values = _rand((1, H, n, dn + dr), seed), _rand((1, H, n, dv), seed + 1)
+            cache.update_and_fetch(_rand((1, H, n, dn + dr), seed), _rand((1, H, n, dv), seed + 1))
         else:
-            cache.keys, cache.values = _rand((1, 1, n, r), seed), _rand((1, 1, n, dr), seed + 1)
-    mx.eval(*(cache.state if kind == "latent" else (cache.keys, cache.values)))
-    cache.offset = S
+            cache.update_and_fetch(_rand((1, 1, n, r), seed), _rand((1, 1, n, dr), seed + 1))
+    mx.eval(cache.state)
+    cache.trim(spare)  # S positions; the room for ``spare`` more stays allocated
     return cache
 
 
@@ -132,18 +141,23 @@ def cache_bytes(kind: str, config: Dict, S: int) -> int:
 
 
 def _step_fn(layer, cache, x, mask, S):
+    L = x.shape[1]
+
     def fn():
-        cache.offset = S  # every call appends at position S (the cache has room)
         mx.eval(layer(x, mask, cache))
+        cache.trim(L)  # back to S positions: every call appends at position S (there is room)
     return fn
 
 
 def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
-            repeats: int = 5, rows=STRATEGY_ROWS + PEER_ROWS, log=print) -> List[Dict]:
+            repeats: int = 5, rows=STRATEGY_ROWS + PEER_ROWS, chunks=CHUNKS,
+            chunk_cache: int = CHUNK_CACHE, log=print) -> List[Dict]:
     """Rows {'phase', 'S', 'L', 'impl', 'ms', 'flops', 'bytes_read', 'cache_bytes'}.
 
     phase 'decode': L = 1 with S cached positions; phase 'prefill': an L = ``prefill``
-    chunk on an empty cache (S = L attended positions, causal). Per point, every row's
+    chunk on an empty cache (S = L attended positions, causal); phase 'short_prefill': an
+    L-token chunk (each of ``chunks``) over ``chunk_cache`` cached positions
+    (S = chunk_cache + L). Per point, every row's
     first call is made; a row whose first call took > 5 s is timed by it alone (warm-up
     effects are noise at that length); the others are warmed up and then timed
     ``repeats`` times round-robin (fewer when slow rows share the point), median.
@@ -159,9 +173,10 @@ def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
     points = [("decode", S, 1) for S in contexts]
     if prefill:
         points.append(("prefill", prefill, prefill))
+    points += [("short_prefill", chunk_cache + L, L) for L in chunks]
     out = []
     for phase, S, L in points:
-        offset = S - L if phase == "prefill" else S
+        offset = S if phase == "decode" else S - L
         x = _rand((1, L, config["hidden_size"]), 7)
         fns, times = {}, {}
         for name in rows:  # first call of each; seconds-long ones are timed by it alone
@@ -194,32 +209,52 @@ def measure(config: Dict = V2_LITE, contexts=CONTEXTS, prefill: int = PREFILL,
             if name == "absorb-materialized":
                 row["extra_param_bytes"] = layer.strategy.derived_nbytes
             out.append(row)
-            log(f"{phase:7s} S={S:6d} L={L:5d} {name:20s} {ms:9.2f} ms  "
+            log(f"{phase:13s} S={S:6d} L={L:5d} {name:20s} {ms:9.2f} ms  "
                 f"{c.flops / 1e6:9.1f} MFLOP {c.bytes_read / 1e6:8.1f} MB read  "
                 f"cache {row['cache_bytes'] / 1e6:7.1f} MB")
         del fns
     return out
 
 
-def crossover_table(rows: List[Dict], candidates=("naive", "absorb-materialized", "absorb")) -> Dict:
-    """The ``auto`` table these rows measure: per phase, the fastest candidate at each
-    measured S, as rules [(minimum S, name)] (the first rule from 0; a new rule starts at
-    the first measured S where another candidate becomes the fastest)."""
-    table = {}
-    for phase in ("prefill", "decode"):
-        best = {}
-        for r in rows:
-            if r["phase"] == phase and r["impl"] in candidates:
-                if r["S"] not in best or r["ms"] < best[r["S"]][0]:
-                    best[r["S"]] = (r["ms"], r["impl"])
-        rules = []
-        for S in sorted(best):
-            name = best[S][1]
-            if not rules or rules[-1][1] != name:
-                rules.append((0 if not rules else S, name))
-        if rules:
-            table[phase] = rules
-    return table
+def _rules(best: Dict[int, str]) -> tuple:
+    """Rules [(minimum S, name)] from the fastest candidate at each measured S (the first
+    rule from 0; a new rule starts at the first S where another candidate is fastest)."""
+    rules = []
+    for S in sorted(best):
+        if not rules or rules[-1][1] != best[S]:
+            rules.append((0 if not rules else S, best[S]))
+    return tuple(rules)
+
+
+def _fastest(rows: List[Dict], phase: str, key: str, candidates) -> Dict[int, str]:
+    """{rows' ``key`` value: fastest candidate} for the rows of ``phase``. An ``auto`` row
+    is a second sample of the strategy it ran (its ``cost_model``); a strategy's time is
+    the smaller of its samples (on a shared machine, noise only ever adds time)."""
+    best = {}
+    for r in rows:
+        name = r.get("cost_model") if r["impl"] == "auto" else r["impl"]
+        if r["phase"] == phase and name in candidates:
+            if r[key] not in best or r["ms"] < best[r[key]][0]:
+                best[r[key]] = (r["ms"], name)
+    return {k: v[1] for k, v in best.items()}
+
+
+def crossover_table(rows: List[Dict], candidates=("naive", "absorb-materialized", "absorb")) -> Table:
+    """The ``auto`` table these rows (one BLAS) measure. Decode and prefill: the fastest
+    candidate at each measured S, as rules. Short prefill chunks: ``short_chunk`` is the
+    longest measured chunk L such that an absorbed strategy is the fastest at it and at
+    every shorter measured chunk (1, no such phase, if none), with the rule of the winner
+    at the longest of those (one cache length is measured, so one rule from S = 0)."""
+    decode = _rules(_fastest(rows, "decode", "S", candidates))
+    prefill = _rules(_fastest(rows, "prefill", "S", candidates))
+    chunk = _fastest(rows, "short_prefill", "L", candidates)
+    short_chunk, short = 1, ()
+    for L in sorted(chunk):
+        if chunk[L] == "naive":
+            break
+        short_chunk, short = L, ((0, chunk[L]),)
+    return Table(decode=decode or ((0, "absorb"),), prefill=prefill or ((0, "naive"),),
+                 short_prefill=short, short_chunk=short_chunk)
 
 
 def markdown_table(rows: List[Dict]) -> str:
@@ -227,7 +262,9 @@ def markdown_table(rows: List[Dict]) -> str:
     points = list(dict.fromkeys((r["phase"], r["S"], r["L"]) for r in rows))
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     at = {(r["phase"], r["S"], r["impl"]): r for r in rows}
-    head = ["impl"] + [f"decode S={S}" if ph == "decode" else f"prefill L={L}"
+    names = {"decode": "decode S={S}", "prefill": "prefill L={L}",
+             "short_prefill": "chunk L={L} @{cached}"}
+    head = ["impl"] + [names[ph].format(S=S, L=L, cached=f"{(S - L) // 1024}K")
                        for ph, S, L in points]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for impl in impls:
@@ -243,7 +280,7 @@ def markdown_table(rows: List[Dict]) -> str:
 def _cost_name(name: str, args: ModelArgs, L: int, S: int) -> str:
     """The analytic model of a row: peers map onto the strategy they compute."""
     if name == "auto":
-        return choose(CROSSOVER_TABLES.get(backend_name(), DEFAULT_TABLE), L, S)
+        return choose(table_for(backend_key()), L, S)
     if name == "mlx-lm deepseek_v2":
         return "kv-cache"
     if name == "mlx-lm deepseek_v3":
@@ -251,29 +288,33 @@ def _cost_name(name: str, args: ModelArgs, L: int, S: int) -> str:
     return name
 
 
-FIELDS = ["phase", "S", "L", "impl", "ms", "cost_model", "flops", "bytes_read",
+FIELDS = ["blas", "phase", "S", "L", "impl", "ms", "cost_model", "flops", "bytes_read",
           "cache_bytes", "extra_param_bytes"]
 
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:
+    """Decode ms per layer against S, one panel per BLAS in ``rows``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    impls = list(dict.fromkeys(r["impl"] for r in rows))
-    for impl in impls:
-        pts = sorted((r["S"], r["ms"]) for r in rows if r["impl"] == impl and r["phase"] == "decode")
-        style = "--" if impl.startswith("mlx-lm") else "-"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=impl)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context length S (cached positions)")
-    ax.set_ylabel("ms per layer decode step")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    blases = list(dict.fromkeys(r.get("blas", "") for r in rows))
+    fig, axes = plt.subplots(1, len(blases), figsize=(7.5 * len(blases), 4.8), squeeze=False,
+                             sharey=True)
+    for ax, b in zip(axes[0], blases):
+        sel = [r for r in rows if r.get("blas", "") == b]
+        for impl in dict.fromkeys(r["impl"] for r in sel):
+            pts = sorted((r["S"], r["ms"]) for r in sel if r["impl"] == impl and r["phase"] == "decode")
+            style = "--" if impl.startswith("mlx-lm") else "-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length S (cached positions)")
+        ax.set_ylabel("ms per layer decode step")
+        ax.set_title(f"{title}\n{b + ' BLAS' if b else ''}", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -283,18 +324,38 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     p.add_argument("--prefill", type=int, default=PREFILL)
+    p.add_argument("--chunks", type=int, nargs="*", default=CHUNKS)
+    p.add_argument("--chunk-cache", type=int, default=CHUNK_CACHE)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--blas", nargs="+", default=None,
+                   help="reference, openblas (CPU; default: both where OpenBLAS is installed) or current (this backend as it is: a GPU)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.worker_out:
+        rows = measure(V2_LITE, a.contexts, a.prefill, a.repeats, chunks=a.chunks,
+                       chunk_cache=a.chunk_cache)
+        worker_result(a.worker_out, rows, {"backend_key": backend_key(),
+                                           "measured_table": repr(crossover_table(rows))})
+        return
     t = time.perf_counter()
-    rows = measure(V2_LITE, a.contexts, a.prefill, a.repeats)
+    args = ["--contexts", *map(str, a.contexts), "--prefill", str(a.prefill),
+            "--chunks", *map(str, a.chunks), "--chunk-cache", str(a.chunk_cache),
+            "--repeats", str(a.repeats)]
+    results = run_per_blas("benchmarks.mla_strategies", args, a.blas or default_blas())
+    rows = [r for res in results for r in res["rows"]]
     a.out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, a.out / "mla_strategies.csv", FIELDS)
+    (a.out / "mla_strategies.json").write_text(json.dumps(
+        {"meta": {res["meta"]["blas"]: res["meta"] for res in results}}, indent=2))
     plot(rows, a.out / "mla_strategies.png",
          f"One MLA layer, DeepSeek-V2-Lite shape, 4-bit weights, float32, MLX {backend_name()}")
-    print(markdown_table(rows))
-    print(f"measured crossover table ({backend_name()}): {crossover_table(rows)}")
-    print(f"wrote {a.out / 'mla_strategies.csv'} and .png in {time.perf_counter() - t:.0f} s")
+    for res in results:
+        print(f"\n{res['meta']['blas_label']}:")
+        print(markdown_table(res["rows"]))
+        print(f"measured crossover table ({res['meta']['backend_key']}): "
+              f"{res['meta']['measured_table']}")
+    print(f"wrote {a.out / 'mla_strategies.csv'}, .json and .png in {time.perf_counter() - t:.0f} s")
 
 
 if __name__ == "__main__":

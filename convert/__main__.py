@@ -7,12 +7,15 @@ import argparse
 import signal
 import sys
 
-from . import recipes, writer
+from . import recipes
 from .errors import ConvertError
-from .pipeline import DTYPES, ConvertOptions, convert
+
+INTERRUPTED = "error: interrupted; nothing was written to --mlx-path"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mlx_mla.dtypes import DTYPES
+
     p = argparse.ArgumentParser(
         # a checkout runs it as `python -m convert`; the wheel installs it as mlx_mla_convert
         prog="python -m convert" if __package__ == "convert" else "mlx-mla-convert",
@@ -22,17 +25,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-path", "--model", required=True,
                    help="Local model folder or Hugging Face Hub id (e.g. deepseek-ai/DeepSeek-V2-Lite).")
     p.add_argument("--mlx-path", default="mlx_model", help="Folder to write (default: mlx_model).")
-    p.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights (affine, mx.quantize).")
-    p.add_argument("--q-bits", type=int, default=4,
-                   help=f"Base bits per weight: {', '.join(map(str, recipes.SUPPORTED_BITS))} (default 4; "
+    p.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights (mx.quantize).")
+    p.add_argument("--q-bits", type=int, default=None,
+                   help=f"Base bits per weight for --q-mode affine: "
+                   f"{', '.join(map(str, recipes.SUPPORTED_BITS))} (default 4; the other modes fix it; "
                    "the mla recipe's default budget and --min-bits follow it).")
-    p.add_argument("--q-group-size", type=int, default=64,
-                   help=f"Group size: {', '.join(map(str, recipes.SUPPORTED_GROUP_SIZES))} (default 64).")
-    p.add_argument("--quant-recipe", default=recipes.DEFAULT_RECIPE,
-                   help="Which tensors get which bits: 'mla' (default, recommended: each module its own "
-                   "bits and group, from --min-bits to 8, where measured KL says they buy the most, "
-                   "solved on this model's shapes within --bits-per-weight; see README) or 'uniform' "
-                   "(--q-bits everywhere, like mlx_lm.convert -q).")
+    p.add_argument("--q-group-size", type=int, default=None,
+                   help=f"Group size for --q-mode affine: "
+                   f"{', '.join(map(str, recipes.SUPPORTED_GROUP_SIZES))} (default 64; the other modes fix it).")
+    p.add_argument("--q-mode", default="affine", choices=recipes.Q_MODES,
+                   help="Quantization mode, as mlx_lm.convert: affine (default) or MLX's floating-point "
+                   + ", ".join(f"{m} ({b}-bit, group {g})" for m, (b, g) in recipes.FIXED_MODES.items()) + ".")
+    p.add_argument("--quant-recipe", default=None,
+                   help="Which tensors get which bits: 'mla' (the default for --q-mode affine, "
+                   "recommended: each module its own bits and group, from --min-bits to 8, where "
+                   "measured KL says they buy the most, solved on this model's shapes within "
+                   "--bits-per-weight; see README) or 'uniform' (--q-bits everywhere, like "
+                   "mlx_lm.convert -q; the only recipe of the floating-point modes, and their default).")
     p.add_argument("--bits-per-weight", type=float, default=None,
                    help="mla recipe: the budget in bits per weight, float tensors included (default: "
                    "uniform --q-bits with a scale and bias per group + 0.1, i.e. 4.6 for 4-bit, group "
@@ -64,8 +73,25 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command; returns the exit status: 0, 1 (one ``error:`` line), 2 (a bad
+    --shard-size), 130 when interrupted (Ctrl-C or SIGTERM) at any point, the imports of
+    MLX and mlx-lm included."""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
+
+
+def _run(argv) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
+    import mlx_mla  # noqa: F401 - first: without an MLX backend this is one error line
+
+    from . import writer
+    from .pipeline import ConvertOptions, convert
+
+    args = build_parser().parse_args(argv)
+
     try:
         opts = ConvertOptions(
             hf_path=args.hf_path,
@@ -74,6 +100,7 @@ def main(argv=None) -> int:
             q_bits=args.q_bits,
             q_group_size=args.q_group_size,
             quant_recipe=args.quant_recipe,
+            q_mode=args.q_mode,
             dtype=args.dtype,
             upload_repo=args.upload_repo,
             dequantize=args.dequantize,
@@ -91,9 +118,6 @@ def main(argv=None) -> int:
     except ValueError as e:  # e.g. --shard-size
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written to --mlx-path", file=sys.stderr)
-        return 130
     except Exception as e:  # disk full, permissions, a bug: still one line, still no partial output
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"error: conversion failed ({type(e).__name__}: {reason}); nothing was written to "

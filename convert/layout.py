@@ -104,14 +104,16 @@ class Assembler:
     """Buffers source tensors until a unit the writer can process is complete.
 
     A unit is one stacked expert tensor (all E experts of one layer/projection/part,
-    possibly spread over several source shards) or, for a quantized source, the
-    weight/scales/biases triple of one module. Buffered arrays are lazy (`mx.load`), so
-    buffering costs no memory until the unit is stacked.
+    possibly spread over several source shards) or, for a quantized source, the parts of
+    one module (weight/scales/biases for affine, weight/scales for the floating-point
+    modes). Buffered arrays are lazy (`mx.load`), so buffering costs no memory until the
+    unit is stacked.
     """
 
-    def __init__(self, n_experts: int, quantized_modules: frozenset = frozenset()):
+    def __init__(self, n_experts: int, quantized_modules: dict | None = None):
+        """quantized_modules: {module path: the set of parts the source stores for it}."""
         self.n_experts = n_experts
-        self.quantized_modules = quantized_modules
+        self.quantized_modules = quantized_modules or {}
         self._experts = {}  # target name -> {e: array}
         self._triples = {}  # module path -> {part: array}
 
@@ -130,7 +132,7 @@ class Assembler:
         if module in self.quantized_modules and part in _QUANT_PARTS:
             parts = self._triples.setdefault(module, {})
             parts[part] = array
-            if len(parts) == 3:
+            if set(parts) == self.quantized_modules[module]:
                 yield "quantized", module, self._triples.pop(module)
             return
         yield "tensor", name, array
@@ -144,7 +146,8 @@ class Assembler:
             )
         if self._triples:
             module, parts = next(iter(self._triples.items()))
-            raise ConvertError(f"{module}: quantized parts {sorted(parts)} found, weight/scales/biases needed")
+            raise ConvertError(f"{module}: quantized parts {sorted(parts)} found, "
+                               f"{sorted(self.quantized_modules[module])} needed")
 
 
 def quantizable_param(layout: Layout, name: str) -> str | None:

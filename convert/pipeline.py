@@ -10,6 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
+from mlx_mla.config import quantization_of
 from mlx_mla.dtypes import DTYPES
 
 from . import card, layout, plan, recipes, sensitivity, source, writer
@@ -40,9 +41,10 @@ class ConvertOptions:
     hf_path: str
     mlx_path: str = "mlx_model"
     quantize: bool = False
-    q_bits: int = 4
-    q_group_size: int = 64
-    quant_recipe: str = recipes.DEFAULT_RECIPE
+    q_bits: int | None = None  # None: the mode's (affine: 4)
+    q_group_size: int | None = None  # None: the mode's (affine: 64)
+    quant_recipe: str | None = None  # None: `mla` for affine, `uniform` for the other modes
+    q_mode: str = "affine"
     dtype: str | None = None
     upload_repo: str | None = None
     dequantize: bool = False
@@ -58,32 +60,50 @@ class ConvertOptions:
         """Raises ConvertError for contradictory or unsupported options."""
         if self.quantize and self.dequantize:
             raise ConvertError("choose either -q/--quantize or -d/--dequantize, not both")
+        name = self.quant_recipe or (recipes.DEFAULT_RECIPE if self.q_mode == "affine" else "uniform")
+        base_bits = self.q_bits or recipes.FIXED_MODES.get(self.q_mode, (4, 64))[0]
         mla_only = {"--bits-per-weight": self.bits_per_weight is not None,
                     "--calibration-file": self.calibration_file is not None,
                     "--min-bits": self.min_bits is not None}
         for flag, given in mla_only.items():
-            if given and not (self.quantize and self.quant_recipe == "mla"):
+            if given and not (self.quantize and name == "mla"):
                 raise ConvertError(f"{flag} applies to -q with the mla recipe (--quant-recipe mla)")
         if self.bits_per_weight is not None and not self.bits_per_weight > 0:
             raise ConvertError(f"--bits-per-weight {self.bits_per_weight} must be a positive number")
         if self.calibration_file is not None and not Path(self.calibration_file).is_file():
             raise ConvertError(f"--calibration-file {self.calibration_file} is not a file")
         if self.min_bits is not None and not (self.min_bits in recipes.SUPPORTED_BITS
-                                              and self.min_bits <= self.q_bits):
+                                              and self.min_bits <= base_bits):
             raise ConvertError(f"--min-bits {self.min_bits}: choose one of "
-                               f"{', '.join(str(b) for b in recipes.SUPPORTED_BITS if b <= self.q_bits)}"
+                               f"{', '.join(str(b) for b in recipes.SUPPORTED_BITS if b <= base_bits)}"
                                " (at most --q-bits)")
         if self.calibration_tokens < 16:
             raise ConvertError(f"--calibration-tokens {self.calibration_tokens}: give at least 16")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConvertError(f"--dtype {self.dtype} is not supported; choose one of {', '.join(DTYPES)}")
         try:
-            self.recipe()
+            base = self.recipe().base
         except ValueError as e:
             raise ConvertError(str(e)) from e
+        if self.quantize:  # a mode this MLX build lacks fails here, not mid-conversion
+            try:
+                mx.quantize(mx.zeros((32, 128)), group_size=base.group_size,
+                            bits=base.bits, mode=base.mode)
+            except (ValueError, RuntimeError) as e:
+                raise ConvertError(f"this MLX ({mx.__version__}) cannot quantize with --q-mode "
+                                   f"{base.mode} ({e}): upgrade mlx, or choose another mode") from e
 
     def recipe(self) -> recipes.Recipe:
-        return recipes.make_recipe(self.quant_recipe, self.q_bits, self.q_group_size)
+        """The recipe the options name, with each unset option at its mode's default.
+
+        Raises:
+            ValueError: see ``recipes.make_recipe``.
+        """
+        bits, group = recipes.FIXED_MODES.get(self.q_mode, (4, 64))
+        name = self.quant_recipe or (recipes.DEFAULT_RECIPE if self.q_mode == "affine" else "uniform")
+        return recipes.make_recipe(name, bits if self.q_bits is None else self.q_bits,
+                                   group if self.q_group_size is None else self.q_group_size,
+                                   mode=self.q_mode)
 
 
 @dataclass
@@ -128,10 +148,11 @@ def make_plan(opts: ConvertOptions, src, mlx_layout):
     Raises:
         ConvertError: an unusable calibration file.
     """
-    base = opts.recipe().base
+    recipe = opts.recipe()
+    base = recipe.base
     dtype = _target_dtype(opts, src.config)
     float_bits = _float_bits(dtype, src)
-    if opts.quant_recipe == "uniform":
+    if recipe.name == "uniform":
         return plan.plan_uniform(mlx_layout, base, float_bits), []
     figures, table = sensitivity.load_prior(), []
     if opts.calibration_file:
@@ -177,38 +198,53 @@ class _Converter:
             return
         if spec != self.recipe.base:
             self.quantization[module] = spec.as_config()
-        w, s, b = mx.quantize(array, group_size=spec.group_size, bits=spec.bits)
+        # (weight, scales, biases) for affine; the floating-point modes have no biases
+        w, s, *b = mx.quantize(array, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
         self.out.add(f"{module}.weight", w, parameters=array.size)
         self.out.add(f"{module}.scales", s, parameters=0)
-        self.out.add(f"{module}.biases", b, parameters=0)
+        for biases in b:
+            self.out.add(f"{module}.biases", biases, parameters=0)
 
     def convert_quantized(self, module, parts):
-        """A quantized source module's weight/scales/biases: passed through, or with -d
-        dequantized to float."""
-        entry = self.src_quant.get(module, self.src_quant)
-        if not isinstance(entry, dict):  # `false`: a float module listed explicitly
-            entry = self.src_quant
-        w, s, b = parts["weight"], parts["scales"], parts["biases"]
+        """A quantized source module's weight/scales (/biases: affine only): passed through,
+        or with -d dequantized to float, with the bits, group size and mode the source's
+        ``quantization`` config gives the module.
+
+        Raises:
+            ConvertError: the config says the module is float, or its parts or shapes
+                disagree with the config's mode and group size.
+        """
+        spec = quantization_of(self.src_quant, module)
+        if spec is None:
+            raise ConvertError(f"{module} is stored quantized but config.json's quantization says "
+                               "it is float: the folder is inconsistent; convert it again")
+        want = {"weight", "scales"} | ({"biases"} if spec["mode"] == "affine" else set())
+        if set(parts) != want:
+            raise ConvertError(f"{module}: {spec['mode']} quantization stores {sorted(want)}, "
+                               f"the checkpoint has {sorted(parts)}: the folder is incomplete")
+        w, s, b = parts["weight"], parts["scales"], parts.get("biases")
+        if w.shape[-1] * 32 // spec["bits"] != s.shape[-1] * spec["group_size"]:
+            raise ConvertError(f"{module}: stored shapes disagree with config.json's quantization "
+                               f"({spec['bits']} bits, group {spec['group_size']})")
         if not self.opts.dequantize:  # pass through as stored
-            self.out.add(f"{module}.weight", w, parameters=w.size * 32 // entry["bits"])
+            self.out.add(f"{module}.weight", w, parameters=w.size * 32 // spec["bits"])
             self.out.add(f"{module}.scales", self._cast(s), parameters=0)
-            self.out.add(f"{module}.biases", self._cast(b), parameters=0)
+            if b is not None:
+                self.out.add(f"{module}.biases", self._cast(b), parameters=0)
             return
-        float_w = mx.dequantize(
-            w, s, b, group_size=entry["group_size"], bits=entry["bits"], mode=entry.get("mode", "affine")
-        )
-        if float_w.shape[-1] != s.shape[-1] * entry["group_size"]:
-            raise ConvertError(f"{module}: stored shapes disagree with config.json's quantization")
-        self.out.add(f"{module}.weight", self._cast(float_w.astype(s.dtype)))
+        # affine: in the scales' float dtype; fp modes: MLX's default (bfloat16, exact)
+        self.out.add(f"{module}.weight", self._cast(mx.dequantize(w, s, b, **spec)))
 
 
-def _quantized_modules(src) -> frozenset:
-    names = set(src.tensor_names)
-    return frozenset(
-        layout.target_name(n).rpartition(".")[0]
-        for n in names
-        if n.endswith(".scales")
-    )
+def _quantized_modules(src) -> dict:
+    """{module: the parts the source stores for it} for every module with ``.scales``:
+    weight/scales/biases (affine) or weight/scales (the floating-point modes)."""
+    modules = {}
+    for name in src.tensor_names:
+        module, _, part = layout.target_name(name).rpartition(".")
+        modules.setdefault(module, set()).add(part)
+    return {m: frozenset(p & {"weight", "scales", "biases"}) for m, p in modules.items()
+            if "scales" in p}
 
 
 def _output_config(src, quantization, dequantized: bool) -> dict:
@@ -234,8 +270,8 @@ def describe(quantization: dict | None, recipe_name: str | None, bpw: float) -> 
     if not quantization:
         return f"unquantized, {bpw:.2f} bits per weight"
     return (
-        f"{quantization['bits']}-bit affine, group {quantization['group_size']} "
-        f"({recipe_name} recipe), {bpw:.2f} bits per weight"
+        f"{quantization['bits']}-bit {quantization.get('mode', 'affine')}, group "
+        f"{quantization['group_size']} ({recipe_name} recipe), {bpw:.2f} bits per weight"
     )
 
 
@@ -298,7 +334,7 @@ def convert(opts: ConvertOptions) -> ConvertReport:
         save_config(_output_config(src, quant, opts.dequantize), config_path=tmp / "config.json")
         _copy_side_files(src.path, tmp)
         kept = None if opts.dequantize else src.config.get("quantization")
-        summary = describe(quant or kept, opts.quant_recipe if quant else "source's",
+        summary = describe(quant or kept, conv.recipe.name if quant else "source's",
                            out.bits_per_weight)
         precisions = plan.precision_lines(conv.written, mlx_layout) if qplan else []
         details = _card_details(qplan, precisions, table) if qplan else ""

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import layout as layout_mod
-from .recipes import (SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, TENSOR_CLASSES, QuantSpec, Recipe, fit_group,
-                      layer_of, tensor_class)
+from .recipes import (FIXED_MODES, SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, TENSOR_CLASSES, QuantSpec, Recipe,
+                      fit_group, layer_of, tensor_class)
 from .sensitivity import Sensitivity, band_of
 
 
@@ -43,9 +43,12 @@ def default_bits_per_weight(base: QuantSpec, float_bits: int = 16) -> float:
 
 def spec_bits(n: int, spec, float_bits: int = 16) -> int:
     """Stored bits of `n` weights: packed at spec.bits plus a scale and a bias per group in
-    a `float_bits` dtype (as mx.quantize returns them), or `float_bits` each when float."""
+    a `float_bits` dtype (as mx.quantize returns them for affine; the floating-point modes
+    store one 8-bit scale per group and no bias), or `float_bits` each when float."""
     if spec is None:
         return n * float_bits
+    if spec.mode in FIXED_MODES:
+        return n * spec.bits + (n // spec.group_size) * 8
     return n * spec.bits + (n // spec.group_size) * 2 * float_bits
 
 
@@ -279,7 +282,8 @@ def precision_lines(written: dict, lay) -> list:
     lines = []
     for spec, (n, classes) in sorted(by_spec.items(), key=lambda t: (t[0].bits, -t[0].group_size)):
         classes = sorted(classes, key=TENSOR_CLASSES.index)
-        lines.append(f"{spec.bits}-bit, group {spec.group_size}: {n:,} parameters "
+        mode = "" if spec.mode == "affine" else f" ({spec.mode})"
+        lines.append(f"{spec.bits}-bit{mode}, group {spec.group_size}: {n:,} parameters "
                      f"({100 * n / total:.1f}%): {', '.join(classes)}")
     groups = ", ".join(map(str, SUPPORTED_GROUP_SIZES))
     for cls, (n, dims) in floats.items():

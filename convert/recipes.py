@@ -17,17 +17,23 @@ SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 RECIPES = ("mla", "uniform")
 DEFAULT_RECIPE = "mla"
+# MLX's floating-point quantization modes fix bits and group size ({mode: (bits, group)},
+# `mx.quantize`'s table); only "affine" has a choice, so only it has recipes other than
+# `uniform` (the `mla` recipe's figures were measured for affine).
+FIXED_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16), "mxfp8": (8, 32)}
+Q_MODES = ("affine", *FIXED_MODES)
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """Affine quantization parameters for one module, as `mx.quantize` takes them."""
+    """Quantization parameters for one module, as `mx.quantize` takes them."""
 
     bits: int
     group_size: int
+    mode: str = "affine"
 
     def as_config(self) -> dict:
-        return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
 
 # Ordered: the first pattern that matches a module path names its class.
@@ -73,7 +79,10 @@ def fit_group(spec: QuantSpec, in_dim: int):
     (128 -> 64 -> 32), or None when none does (`mx.quantize` groups along the input dim).
 
     E.g. DeepSeek-V2-Lite's dense down_proj (input 10944 = 64 * 171) at group 128 -> 64.
+    A floating-point mode (`FIXED_MODES`) has one group size: that or None.
     """
+    if spec.mode in FIXED_MODES:
+        return spec if in_dim % spec.group_size == 0 else None
     for group in sorted(SUPPORTED_GROUP_SIZES, reverse=True):
         if group <= spec.group_size and in_dim % group == 0:
             return QuantSpec(spec.bits, group)
@@ -101,15 +110,32 @@ class Recipe:
         return None if spec is None else fit_group(spec, in_dim)
 
 
-def make_recipe(name: str, bits: int, group_size: int) -> Recipe:
-    """Build a recipe by name for a base of `bits` and `group_size`.
+def make_recipe(name: str, bits: int, group_size: int, mode: str = "affine") -> Recipe:
+    """Build a recipe by name for a base of `bits` and `group_size` in `mode`.
 
     `uniform` is the base everywhere; `mla` starts as the base too and gets its
-    per-module specs from `convert.plan.plan_mla`, which needs the model's shapes.
+    per-module specs from `convert.plan.plan_mla`, which needs the model's shapes. A mode
+    of `FIXED_MODES` takes only its own bits and group size, and only the `uniform` recipe.
 
     Raises:
-        ValueError: unknown recipe, bits or group size (message lists the valid ones).
+        ValueError: unknown recipe, mode, bits or group size, or a recipe, bits or group
+            size the mode does not take (message lists the valid ones).
     """
+    if mode in FIXED_MODES:
+        fixed = FIXED_MODES[mode]
+        if (bits, group_size) != fixed:
+            raise ValueError(
+                f"--q-mode {mode} stores {fixed[0]} bits in groups of {fixed[1]}; got "
+                f"--q-bits {bits} --q-group-size {group_size}: leave them out"
+            )
+        if name != "uniform":
+            raise ValueError(
+                f"--quant-recipe {name} is for --q-mode affine (its bits and group sizes were "
+                f"measured there); --q-mode {mode} takes --quant-recipe uniform"
+            )
+        return Recipe(name, QuantSpec(bits, group_size, mode), {})
+    if mode != "affine":
+        raise ValueError(f"--q-mode {mode} is not known; choose one of {', '.join(Q_MODES)}")
     if bits not in SUPPORTED_BITS:
         raise ValueError(
             f"--q-bits {bits} is not supported; choose one of {', '.join(map(str, SUPPORTED_BITS))}"

@@ -5,6 +5,16 @@
 
 from pathlib import Path
 
+# Before anything imports MLX: an optimized BLAS, where installed, must be loaded first
+# (blas imports nothing of MLX's), then mlx.core itself, or one line naming the extra.
+from . import blas
+
+blas.preload()
+
+from .backend import require_mlx  # noqa: E402
+
+require_mlx()
+
 from .attention import STRATEGIES
 from .cache import LatentCache
 from .checkpoint import ModelLoadError

@@ -8,7 +8,9 @@ message, before any tensor data is read:
   ``huggingface_hub.snapshot_download``;
 - ``read_config``: config.json, checked to be a DeepSeek-V2-family model;
 - ``weight_files``: the safetensors files, in the order the index names them, none missing;
-- ``read_header``: one file's safetensors header, checked against the file's length.
+- ``read_header``: one file's safetensors header, each tensor's byte range checked against
+  its dtype and shape and against the file's length;
+- ``check_tokenizer``: the files a tokenizer is built from are there.
 
 Every error is a ``ModelLoadError`` (a ``ValueError``) whose message names the file and says
 what to do.
@@ -17,6 +19,7 @@ what to do.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -34,6 +37,12 @@ HUB_ALLOW_PATTERNS = [
     "*.jinja", "README.md",
 ]
 INDEX_NAME = "model.safetensors.index.json"
+# Bytes per element of each safetensors dtype (the format's specification).
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+               "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+# What a tokenizer is built from (transformers' AutoTokenizer): a fast tokenizer's
+# tokenizer.json, a sentencepiece tokenizer.model, tiktoken files, or a BPE vocab.json.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "*.tiktoken", "vocab.json")
 
 
 class ModelLoadError(ValueError):
@@ -48,8 +57,10 @@ class TensorInfo:
     shape: tuple
 
 
-def resolve(path_or_repo: str, revision: Optional[str] = None) -> Tuple[Path, Optional[str]]:
-    """A local folder as is; a Hub repo id downloaded (``HUB_ALLOW_PATTERNS`` only).
+def resolve(path_or_repo: str, revision: Optional[str] = None,
+            allow_patterns: Optional[List[str]] = None) -> Tuple[Path, Optional[str]]:
+    """A local folder as is; a Hub repo id downloaded (the files ``allow_patterns`` match,
+    default ``HUB_ALLOW_PATTERNS``; a sharded load fetches only a rank's weight files).
 
     Returns:
         (local folder, the Hub id it came from or None).
@@ -74,7 +85,7 @@ def resolve(path_or_repo: str, revision: Optional[str] = None) -> Tuple[Path, Op
 
     try:
         folder = huggingface_hub.snapshot_download(
-            text, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS
+            text, revision=revision, allow_patterns=allow_patterns or HUB_ALLOW_PATTERNS
         )
     except Exception as e:  # network, auth, 404: all end the same way for the user
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -141,12 +152,15 @@ def weight_files(folder: Path) -> List[Path]:
 
 
 def read_header(path: Path) -> Dict[str, TensorInfo]:
-    """Parse a safetensors header and check that the file holds all the data it declares.
+    """Parse a safetensors header and check that the file holds all the data it declares:
+    each tensor's ``data_offsets`` span exactly prod(shape) × its dtype's size, inside the
+    file (what ``mx.load`` would otherwise refuse mid-load with "invalid data offsets").
 
     Returns:
         {tensor name: TensorInfo} in file order (the ``__metadata__`` entry dropped).
     Raises:
-        ModelLoadError: an unreadable header, or a file shorter than its header says.
+        ModelLoadError: an unreadable header, an unknown dtype, a tensor whose byte range
+            does not fit its shape, or a file shorter than its header says.
     """
     path = Path(path)
     size = path.stat().st_size
@@ -159,6 +173,8 @@ def read_header(path: Path) -> Dict[str, TensorInfo]:
         header.pop("__metadata__", None)
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
         infos = {k: TensorInfo(v["dtype"], tuple(v["shape"])) for k, v in header.items()}
+        for name, entry in header.items():
+            _check_offsets(name, entry)
     except (struct.error, ValueError, UnicodeDecodeError, KeyError, TypeError,
             AttributeError) as e:
         raise ModelLoadError(
@@ -170,6 +186,17 @@ def read_header(path: Path) -> Dict[str, TensorInfo]:
             f"re-download it"
         )
     return infos
+
+
+def _check_offsets(name: str, entry: dict) -> None:
+    """Raises ValueError unless ``entry``'s data_offsets span exactly its shape's bytes."""
+    if entry["dtype"] not in DTYPE_SIZES:
+        raise ValueError(f"tensor {name!r} has unknown dtype {entry['dtype']!r}")
+    begin, end = entry["data_offsets"]
+    need = math.prod(entry["shape"]) * DTYPE_SIZES[entry["dtype"]]
+    if not 0 <= begin <= end or end - begin != need:
+        raise ValueError(f"tensor {name!r} has data offsets ({begin}, {end}), its shape "
+                         f"{list(entry['shape'])} of {entry['dtype']} needs {need} bytes")
 
 
 def check_weights(folder: Path) -> Dict[Path, Dict[str, TensorInfo]]:
@@ -191,5 +218,20 @@ def check_weights(folder: Path) -> Dict[Path, Dict[str, TensorInfo]]:
     return headers
 
 
-__all__ = ["ModelLoadError", "TensorInfo", "HUB_ID", "HUB_ALLOW_PATTERNS", "resolve",
-           "read_config", "weight_files", "read_header", "check_weights"]
+def check_tokenizer(folder: Path) -> None:
+    """Check that ``folder`` has the files a tokenizer is built from (``TOKENIZER_FILES``).
+
+    Raises:
+        ModelLoadError: none of them is there.
+    """
+    folder = Path(folder)
+    if not any(next(folder.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{folder} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy "
+            f"them from the original checkpoint into the folder"
+        )
+
+
+__all__ = ["ModelLoadError", "TensorInfo", "HUB_ID", "HUB_ALLOW_PATTERNS", "DTYPE_SIZES",
+           "TOKENIZER_FILES", "resolve", "read_config", "weight_files", "read_header",
+           "check_weights", "check_tokenizer"]

@@ -71,17 +71,8 @@ class ModelArgs:
         )
 
     def quantization_of(self, module: str) -> Optional[Dict[str, Any]]:
-        """How ``module`` (a checkpoint path, e.g. "model.layers.0.self_attn.kv_b_proj") is
-        stored: {"group_size", "bits", "mode"} from its own ``quantization`` entry or the
-        folder's default, or None when the folder stores it in float."""
-        q = self.quantization
-        if not q:
-            return None
-        entry = q.get(module, q)
-        if not isinstance(entry, dict):  # false: a float module listed explicitly
-            return None
-        return {"group_size": entry["group_size"], "bits": entry["bits"],
-                "mode": entry.get("mode", "affine")}
+        """How ``module`` is stored (see ``quantization_of``)."""
+        return quantization_of(self.quantization, module)
 
     @classmethod
     def from_dict(cls, config: Dict[str, Any]) -> "ModelArgs":
@@ -103,6 +94,21 @@ class ModelArgs:
                 f"topk_method {args.topk_method!r} is not supported; expected one of {TOPK_METHODS}"
             )
         return args
+
+
+def quantization_of(quantization: Optional[Dict[str, Any]], module: str) -> Optional[Dict[str, Any]]:
+    """How ``module`` (an mlx-lm module path, e.g. "model.layers.0.self_attn.kv_b_proj") is
+    stored according to a folder's mlx-lm ``quantization`` config: {"group_size", "bits",
+    "mode"} from the module's own entry or the folder's default, or None when it is float
+    (no config, or the module listed as ``false``). Bits, group size and mode always come
+    from here, never from tensor shapes."""
+    if not quantization:
+        return None
+    entry = quantization.get(module, quantization)
+    if not isinstance(entry, dict):  # false: a float module listed explicitly
+        return None
+    return {"group_size": entry["group_size"], "bits": entry["bits"],
+            "mode": entry.get("mode", "affine")}
 
 
 def check_model_type(model_type: Any) -> None:
@@ -138,4 +144,4 @@ def _normalise_rope(config: Dict[str, Any]) -> Dict[str, Any]:
     return rope
 
 
-__all__ = ["ModelArgs", "SUPPORTED_MODEL_TYPES", "check_model_type"]
+__all__ = ["ModelArgs", "SUPPORTED_MODEL_TYPES", "check_model_type", "quantization_of"]

@@ -3,9 +3,11 @@
 Mirrors ``mlx_lm.load`` and reuses its machinery: ``mlx_lm.utils.load_model`` (safetensors
 reading, ``quantization`` config incl. per-module overrides, strict weight check) with our
 ``Model`` / ``ModelArgs``, and ``mlx_lm.utils.load_tokenizer`` for the TokenizerWrapper.
-What is ours: the folder checks (``mlx_mla.checkpoint``) that turn a bad folder into one
-clear error, the activation dtype policy, and selecting the MLA strategy once the weights
-are in.
+What is ours: the checks made before any tensor is read (``open_folder``: the folder, via
+``mlx_mla.checkpoint``, and whether the backend runs the MoE in the dtype) that turn bad
+input into one clear error, the activation dtype policy, on the CPU backend the
+dequantized-GEMM prefill path for quantized Linears and experts where the BLAS makes it pay
+(``mlx_mla.prefill_gemm``), and selecting the MLA strategy once the weights are in.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from typing import Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_model, load_tokenizer
+from mlx_lm.utils import load_model
+from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
 
-from . import checkpoint
+from . import blas, checkpoint, prefill_gemm
 from .attention import check_strategy_name
 from .checkpoint import ModelLoadError
 from .config import ModelArgs
-from .dtypes import DTYPES, cast_floating, parse_dtype
+from .dtypes import DTYPES, cast_floating, dtype_name, parse_dtype
 from .model import Model
 from .weights import split_quantization
 
@@ -44,23 +47,87 @@ def activation_dtype(dtype: Union[str, mx.Dtype, None], config: dict) -> mx.Dtyp
     return DTYPES.get(config.get("torch_dtype") or config.get("dtype"), mx.bfloat16)
 
 
-def check_experts_run(model: Model, dtype: mx.Dtype) -> None:
-    """Run one routed-expert product in ``dtype`` so an unsupported backend/dtype pair fails
-    here, with advice, rather than mid-generation (this CPU build's gather_mm is float32-only).
+def check_experts_dtype(args: ModelArgs, dtype: mx.Dtype) -> None:
+    """Run one tiny routed-expert product in ``dtype`` for each way the folder stores its
+    experts (float, or each quantization spec its config gives ``switch_mlp``), before any
+    weights are read, so that a backend/dtype pair that cannot run the MoE fails here, with
+    advice, rather than mid-generation. (This CPU build's float ``gather_mm`` is
+    float32-only; its quantized ``gather_qmm`` runs bfloat16 too.) The probe is mlx-lm's
+    ``SwitchLinear``, the layer the model's experts are made of.
 
     Raises:
-        ModelLoadError: the backend cannot run the MoE experts in ``dtype``.
+        ModelLoadError: the backend cannot run the MoE experts with ``dtype`` activations,
+            or the config gives them a quantization MLX refuses.
     """
-    moe = next((l.mlp for l in model.layers if hasattr(l.mlp, "switch_mlp")), None)
-    if moe is None:
-        return
-    x = mx.zeros((1, 1, model.args.hidden_size), dtype)
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    moe_layers = [i for i in range(args.num_hidden_layers) if args.is_moe_layer(i)]
+    specs = {
+        tuple(sorted((args.quantization_of(f"model.layers.{i}.mlp.switch_mlp.{p}") or {}).items()))
+        for i in moe_layers for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    for spec in map(dict, sorted(specs)):
+        dims = spec.get("group_size", 32)
+        layer = SwitchLinear(dims, 2, 2, bias=False)
+        if spec:
+            try:
+                layer = layer.to_quantized(**spec)
+            except ValueError as e:  # bits / group size the mode does not take
+                raise ModelLoadError(
+                    f"config.json's quantization {spec} for the MoE experts is not one MLX "
+                    f"can use ({str(e).strip()}): the folder's config is inconsistent"
+                ) from e
+        layer.set_dtype(dtype)
+        try:
+            mx.eval(layer(mx.zeros((1, 1, 1, 1, dims), dtype), mx.zeros((1, 1, 1), mx.uint32)))
+        except (RuntimeError, ValueError) as e:
+            raise ModelLoadError(
+                f"this MLX backend cannot run the MoE experts with {dtype_name(dtype)} "
+                f"activations ({str(e).strip()}): use float32 activations (--dtype float32)"
+            ) from e
+
+
+def open_folder(
+    path_or_repo: Union[str, Path],
+    dtype: Union[str, mx.Dtype, None] = None,
+    revision: Optional[str] = None,
+) -> Tuple[Path, dict, ModelArgs, mx.Dtype]:
+    """Every check ``load`` makes before reading a tensor, for the commands to make first
+    too: the folder (``mlx_mla.checkpoint``: config, weight files whole, tokenizer files),
+    the config (``ModelArgs``), the activation dtype and whether this backend can run the
+    MoE in it (``check_experts_dtype``).
+
+    Returns:
+        (local folder, config.json dict, ModelArgs, activation dtype).
+    Raises:
+        ModelLoadError: the first problem found, in one line.
+    """
+    path, _ = checkpoint.resolve(str(path_or_repo), revision)
+    config = checkpoint.read_config(path)
+    checkpoint.check_weights(path)
+    checkpoint.check_tokenizer(path)
+    target = activation_dtype(dtype, config)
     try:
-        mx.eval(moe.switch_mlp(x, mx.zeros((1, 1, 1), mx.uint32)))
-    except RuntimeError as e:
+        args = ModelArgs.from_dict(config)
+    except (ValueError, TypeError) as e:  # an unsupported or malformed config value
+        reason = str(e).strip().splitlines()[0]
+        raise ModelLoadError(f"cannot load {path}: {reason}") from e
+    check_experts_dtype(args, target)
+    return path, config, args, target
+
+
+def load_tokenizer(path: Path, config: dict) -> TokenizerWrapper:
+    """mlx-lm's ``load_tokenizer`` for the folder (eos ids from ``config``, as mlx_lm.load).
+
+    Raises:
+        ModelLoadError: the tokenizer files are there but cannot be loaded.
+    """
+    try:
+        return mlx_lm_load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types, each one line here
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(
-            f"this MLX backend cannot run the MoE experts with {dtype} activations "
-            f"({str(e).strip()}): use dtype float32"
+            f"cannot load the tokenizer in {path} ({reason}): restore its tokenizer files"
         ) from e
 
 
@@ -88,12 +155,8 @@ def load(
         check_strategy_name(mla_strategy)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
-    path, _ = checkpoint.resolve(str(path_or_repo), revision)
-    config = checkpoint.read_config(path)
-    checkpoint.check_weights(path)
-    target = activation_dtype(dtype, config)
+    path, config, args, target = open_folder(path_or_repo, dtype, revision)
     try:
-        args = ModelArgs.from_dict(config)
         overrides = {"quantization": split_quantization(config.get("quantization"), args)}
         model, config = load_model(
             path, lazy=True, model_config=overrides,
@@ -102,8 +165,16 @@ def load(
     except ValueError as e:  # an unsupported config value, weights that do not fit it
         reason = str(e).strip().splitlines()[0]
         raise ModelLoadError(f"cannot load {path}: {reason}") from e
-    cast_floating(model, target)
-    check_experts_run(model, target)
+    prepare(model, target, mla_strategy)
+    return model, load_tokenizer(path, config)
+
+
+def prepare(model: Model, dtype: mx.Dtype, mla_strategy: str) -> None:
+    """What a load does once the weights are in (``load``, and ``load_sharded`` on each
+    rank): cast the float parameters to ``dtype`` (which reads the weights), give prefill
+    chunks the dequantized-GEMM path where the BLAS makes it pay (CPU backend), select the
+    MLA strategy."""
+    cast_floating(model, dtype)
+    if mx.default_device() == mx.cpu:  # prefill chunks through BLAS GEMM where it pays
+        prefill_gemm.apply(model, prefill_gemm.MIN_ROWS.get(blas.kind()))
     model.set_mla_strategy(mla_strategy)
-    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    return model, tokenizer

@@ -78,7 +78,12 @@ class MoEGate(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (weighted by the gate) plus shared experts. (B, L, hidden) → same."""
+    """Routed experts (weighted by the gate) plus shared experts. (B, L, hidden) → same.
+
+    Tensor parallel (``mlx_mla.distributed.shard_model``, as mlx-lm's ``deepseek_v2``):
+    every expert's intermediate dimension is split over ``sharding_group``, each rank adds
+    up its part of every expert's output, and one all-sum completes them.
+    """
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -90,6 +95,7 @@ class MoE(nn.Module):
             self.shared_experts = MLP(
                 args.hidden_size, args.moe_intermediate_size * args.n_shared_experts
             )
+        self.sharding_group = None
 
     def __call__(self, x: mx.array) -> mx.array:
         inds, weights = self.gate(x)
@@ -97,4 +103,6 @@ class MoE(nn.Module):
         y = (y * weights[..., None].astype(y.dtype)).sum(axis=-2)
         if "shared_experts" in self:
             y = y + self.shared_experts(x)
+        if self.sharding_group is not None:
+            y = mx.distributed.all_sum(y, group=self.sharding_group)
         return y

@@ -85,11 +85,27 @@ def dense_kv_b(weights, name: str, args: ModelArgs) -> mx.array:
             f"{name} is stored quantized but config.json's quantization says it is float: "
             f"the folder is inconsistent; convert it again"
         )
-    biases = weights.pop(f"{name}.biases", None)
-    # Dequantize with float32 scales: with bfloat16 ones MLX would return bfloat16.
+    return dequantize_float32(w, scales, weights.pop(f"{name}.biases", None), spec)
+
+
+def dequantize_float32(w: mx.array, scales: mx.array, biases: Optional[mx.array],
+                       spec: dict) -> mx.array:
+    """``mx.dequantize`` of one quantized matrix, in float32.
+
+    Args:
+        w: packed uint32 weight (out, in·bits/32); scales: (out, in/group_size), float for
+            "affine" or uint8 shared exponents for the fp modes; biases: same shape as
+            scales for "affine", else None.
+        spec: {"group_size", "bits", "mode"}, as ``quantization_of`` gives it.
+    Returns:
+        (out, in) float32. Float scales are widened first: with bfloat16 ones MLX would
+        compute (and round) in bfloat16. (The fp modes' values, a few-bit significand
+        times a power-of-two or fp8 scale, are exact in MLX's default bfloat16 result.)
+    """
     if mx.issubdtype(scales.dtype, mx.floating):
         scales = scales.astype(mx.float32)
-    biases = biases.astype(mx.float32) if biases is not None else None
+    if biases is not None:
+        biases = biases.astype(mx.float32)
     return mx.dequantize(w, scales, biases, **spec).astype(mx.float32)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import mlx_mla
 from mlx_mla.generate import main
-from testdata import writable_copy
+from testdata import corrupt_offsets, writable_copy
 
 # The fixture's known float32 greedy continuation of "ROMEO:" (shared/fixtures/README.md).
 KNOWN = "\nO, I am in brief with a tale language.\n\nBENVOLIO:\nO, I am cried.\n\nMERCUTIO:"
@@ -57,6 +57,17 @@ def run_main(capsys, *argv):
         ("strategy", "unknown MLA strategy 'fastest'"),
         ("too_long", "exceeds the model's context of 2048 tokens"),
         ("dtype", "unknown dtype 'float8'"),
+        ("truncated_shard", "model-00002-of-00004.safetensors is truncated"),
+        ("corrupt_shard", "model-00002-of-00004.safetensors is not a readable safetensors file"),
+        ("garbage_shard", "model-00004-of-00004.safetensors is not a readable safetensors file"),
+        ("no_tokenizer", "has no tokenizer files"),
+        ("temp", "--temp must be 0 (greedy) or more"),
+        ("top_p_0", "--top-p must be in (0, 1]"),
+        ("top_p_big", "--top-p must be in (0, 1]"),
+        ("min_p_negative", "--min-p must be in [0, 1]"),
+        ("min_p_big", "--min-p must be in [0, 1]"),
+        ("seed", "--seed must be in [0, 2**64)"),
+        ("max_tokens", "--max-tokens must be at least 1"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(capsys, fixture_dir, tmp_path, case, expected):
@@ -80,6 +91,22 @@ def test_bad_input_is_one_line_and_nonzero(capsys, fixture_dir, tmp_path, case, 
         argv[3] = 2046
     elif case == "dtype":
         argv += ["--dtype", "float8"]
+    elif case == "truncated_shard":
+        shard = model / "model-00002-of-00004.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-1000])
+    elif case == "corrupt_shard":
+        corrupt_offsets(model / "model-00002-of-00004.safetensors")
+    elif case == "garbage_shard":
+        (model / "model-00004-of-00004.safetensors").write_bytes(b"\xff" * 64)
+    elif case == "no_tokenizer":
+        (model / "tokenizer.json").unlink()
+    elif case == "max_tokens":
+        argv[3] = 0
+    else:  # sampler ranges, as mlx-lm's make_sampler takes them
+        flag, value = {"temp": ("--temp", -1), "top_p_0": ("--top-p", 0),
+                       "top_p_big": ("--top-p", 1.5), "min_p_negative": ("--min-p", -0.1),
+                       "min_p_big": ("--min-p", 2), "seed": ("--seed", -1)}[case]
+        argv += [flag, value]
     rc, err = run_main(capsys, *argv)
     assert rc != 0
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
@@ -127,4 +154,45 @@ def test_failed_download_is_one_clear_error(monkeypatch):
 )
 def test_unsupported_expert_dtype_fails_at_load_with_advice(capsys, fixture_dir):
     rc, err = run_main(capsys, "--model", fixture_dir, "--dtype", "bfloat16", "--max-tokens", "2")
-    assert rc != 0 and len(err) == 1 and "use dtype float32" in err[0]
+    assert rc != 0 and len(err) == 1 and "--dtype float32" in err[0]
+
+
+def test_system_prompt_without_chat_template_warns_once(capsys):
+    # the demo checkpoint has no chat template (a base model)
+    rc = main(["--system-prompt", "Be brief.", "--max-tokens", "2", "--verbose", "off"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 0
+    assert err == ["warning: --system-prompt is ignored: the tokenizer has no chat template"]
+
+
+@pytest.mark.parametrize("text, value", [
+    ("0", False), ("no", False), ("off", False), ("False", False), ("f", False),
+    ("1", True), ("yes", True), ("ON", True), ("true", True),
+])
+def test_verbose_spellings(text, value):
+    from mlx_mla.generate import build_parser
+
+    assert build_parser().parse_args(["--verbose", text]).verbose is value
+
+
+def test_verbose_rejects_other_words(capsys):
+    from mlx_mla.generate import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--verbose", "maybe"])
+    assert e.value.code == 2
+    assert "argument --verbose: expected true or false" in capsys.readouterr().err
+
+
+def test_reader_closing_the_pipe_early_is_a_quiet_exit():
+    """`python -m mlx_mla.generate | head -2`: the reader goes away mid-stream."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_mla.generate", "--max-tokens", "300", "--temp", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    lines = [proc.stdout.readline() for _ in range(2)]
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 141, err  # 128 + SIGPIPE, as a shell reports `yes | head`
+    assert lines[0].startswith(b"==========")
+    assert err == "", err

@@ -93,11 +93,85 @@ def test_missing_folder_is_exit_2(capsys, tmp_path):
     assert "error:" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("strategy,quantized,expected", [
-    ("absorb", False, (1e-3, 1e-6)),
-    ("absorb", True, (1e-3, 1e-6)),
-    ("absorb-materialized", True, compare.QUANTIZED_MATERIALIZED),
+def test_threshold_policy():
+    assert compare.threshold_for("float32").max_abs_logit == 1e-3
+    t = compare.threshold_for("bfloat16", (0.1, None))
+    assert (t.max_abs_logit, t.mean_kl) == (0.1, 5e-3)
+
+
+@pytest.mark.parametrize("case, extra, expected", [
+    ("max_tokens", ["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    ("text_file", ["--text-file", "{tmp}/no-such.txt"], "does not exist"),
+    ("json_folder", ["--json", "{tmp}/no-such-folder/out.json"], "does not exist; create it first"),
+    ("context", ["--max-tokens", "2046"], "exceeds the model's context of 2048 tokens"),
+    ("no_tokenizer", [], "has no tokenizer files"),
+    ("corrupt_shard", [], "model-00002-of-00004.safetensors is not a readable safetensors file"),
+    pytest.param("bfloat16", ["--dtype", "bfloat16"], "--dtype float32", marks=pytest.mark.skipif(
+        __import__("mlx.core").core.default_device() != __import__("mlx.core").core.cpu,
+        reason="the CPU build's gather_mm is float32-only; GPU backends run bfloat16")),
 ])
-def test_threshold_policy(strategy, quantized, expected):
-    t = compare.threshold_for("float32", quantized, strategy, (None, None))
-    assert (t.max_abs_logit, t.mean_kl) == expected
+def test_bad_input_is_one_line_exit_2_before_any_model_runs(capsys, fixture_dir, tmp_path, case,
+                                                            extra, expected):
+    from testdata import corrupt_offsets, writable_copy
+
+    model = fixture_dir
+    if case in ("no_tokenizer", "corrupt_shard"):
+        model = writable_copy(fixture_dir, tmp_path / "model")
+        if case == "no_tokenizer":
+            (model / "tokenizer.json").unlink()
+        else:
+            corrupt_offsets(model / "model-00002-of-00004.safetensors")
+    argv = ["--model", str(model), *(a.format(tmp=tmp_path) for a in extra)]
+    rc = compare.main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert rc == 2
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+    assert captured.out == ""  # nothing ran: the report starts with the model line
+
+
+@pytest.fixture(scope="module")
+def converted_folders(fixture_dir, tmp_path_factory):
+    """The demo checkpoint as every folder the converter writes: affine 2-8 bits with
+    both recipes, and each floating-point --q-mode."""
+    from convert import ConvertOptions, convert
+
+    root = tmp_path_factory.mktemp("converted")
+    folders = {}
+    options = [dict(q_bits=b, quant_recipe=r) for r in ("mla", "uniform") for b in (2, 3, 4, 6, 8)]
+    options += [dict(q_mode=m) for m in ("mxfp4", "mxfp8", "nvfp4")]
+    for fields in options:
+        name = "-".join(str(v) for v in fields.values())
+        convert(ConvertOptions(str(fixture_dir), str(root / name), quantize=True, progress=False,
+                               **fields))
+        folders[name] = root / name
+    return folders
+
+
+@pytest.mark.parametrize("name", [f"{b}-{r}" for r in ("mla", "uniform") for b in (2, 3, 4, 6, 8)]
+                         + ["mxfp4", "mxfp8", "nvfp4"])
+def test_compare_passes_on_every_converted_folder(capsys, converted_folders, name, tmp_path):
+    out_json = tmp_path / "cmp.json"
+    rc = compare.main(["--model", str(converted_folders[name]), "--max-tokens", "8",
+                       "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    data = json.loads(out_json.read_text())
+    assert data["quantized"] and [r["engine"] for r in data["results"]] == [
+        f"mlx_mla {s}" for s in STRATEGIES]
+
+
+def test_requantized_derived_matrices_are_what_made_materialized_differ(converted_folders):
+    """benchmarks.compare_quantized's claim, on the 2-bit uniform folder: float derived
+    matrices agree with mlx-lm like the other strategies; re-quantized at the folder's bits
+    (the earlier rule) they do not, and the module default is restored afterwards."""
+    from benchmarks.compare_quantized import measure_folder
+    from mlx_mla.attention.strategies import absorb_materialized
+
+    rows = {(r["strategy"], r["derived"]): r
+            for r in measure_folder(converted_folders["2-uniform"], "ROMEO:", 8)}
+    assert absorb_materialized.DERIVED_QUANTIZATION is None
+    limit = compare.THRESHOLDS["float32"][0]
+    assert rows[("absorb-materialized", "float")]["max_abs_logit"] < limit
+    assert all(rows[(s, "")]["max_abs_logit"] < limit for s in ("naive", "absorb", "auto"))
+    assert rows[("absorb-materialized", "folder")]["max_abs_logit"] > 100 * limit

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 import convert.writer as writer_mod
 from convert_helpers import leftovers, load_tensors, run_cli, tree_digest
-from testdata import writable_copy
+from testdata import corrupt_offsets, writable_copy
 
 
 def _expect_error(capsys, tmp_path, src, *extra, match: str):
@@ -36,6 +41,13 @@ def test_truncated_shard(tmp_path, capsys, fixture_dir):
     f = src / "model-00002-of-00004.safetensors"
     f.write_bytes(f.read_bytes()[:-1000])
     _expect_error(capsys, tmp_path, src, "-q", match="truncated")
+
+
+def test_shard_with_invalid_data_offsets(tmp_path, capsys, fixture_dir):
+    src = writable_copy(fixture_dir, tmp_path / "src")
+    corrupt_offsets(src / "model-00002-of-00004.safetensors")
+    _expect_error(capsys, tmp_path, src, "-q",
+                  match="model-00002-of-00004.safetensors is not a readable safetensors file")
 
 
 def test_garbage_shard(tmp_path, capsys, fixture_dir):
@@ -77,6 +89,15 @@ def test_calibration_text_too_short(tmp_path, capsys, fixture_dir):
     text.write_text("To be")
     _expect_error(capsys, tmp_path, fixture_dir, "-q", "--calibration-file", text,
                   match="short.txt has 3 tokens")
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--q-mode", "mxfp4", "--quant-recipe", "mla"], "--q-mode mxfp4 takes --quant-recipe uniform"),
+    (["--q-mode", "nvfp4", "--q-bits", "8"], "--q-mode nvfp4 stores 4 bits in groups of 16"),
+    (["--q-mode", "mxfp8", "--q-group-size", "64"], "--q-mode mxfp8 stores 8 bits in groups of 32"),
+])
+def test_fixed_modes_take_only_their_bits_and_uniform(tmp_path, capsys, extra, match, fixture_dir):
+    _expect_error(capsys, tmp_path, fixture_dir, "-q", *extra, match=match)
 
 
 def test_quantize_and_dequantize_together(tmp_path, capsys, fixture_dir):
@@ -139,3 +160,40 @@ def test_interrupted_force_keeps_old_target(tmp_path, monkeypatch, fixture_dir):
     assert tree_digest(out) == before
     assert leftovers(tmp_path, "out") == []
     assert "lm_head.scales" not in load_tensors(out)
+
+
+def test_ctrl_c_while_imports_load(tmp_path, capsys, monkeypatch, fixture_dir):
+    """Ctrl-C while `python -m convert` is still importing MLX / mlx-lm: the one line, 130."""
+
+    class CtrlC:
+        def find_spec(self, name, path=None, target=None):
+            if name == "convert.pipeline":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "convert.pipeline", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [CtrlC(), *sys.meta_path])
+    rc = run_cli("--hf-path", fixture_dir, "--mlx-path", tmp_path / "out", "-q")
+    assert rc == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: interrupted; nothing was written to --mlx-path"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_sigint_while_mlx_imports(tmp_path, fixture_dir):
+    """A real SIGINT once `python -m convert` has begun importing MLX (``-X importtime``
+    reports each finished import on stderr; mlx_mla.backend is the last before mlx.core):
+    the one line and 130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "convert", "--hf-path", str(fixture_dir),
+         "--mlx-path", str(tmp_path / "out"), "-q"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    for line in proc.stderr:
+        if line.rstrip().endswith("mlx_mla.backend"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, rest
+    assert rest.strip().splitlines()[-1] == "error: interrupted; nothing was written to --mlx-path"
+    assert "Traceback" not in rest
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path, "out") == []

@@ -63,7 +63,8 @@ def test_bytes_by_hand():
     # decompressed keys (with k_pe broadcast in) and values, written then read
     assert n.temp_bytes == c.temp_bytes + 2 * 16 * S * (192 + 128) * 4
     m = costs.step_costs(V2_LITE, "absorb-materialized", S=S)
-    assert m.weight_bytes == front + q4(2048, 8192) + q4(8192, 2048)
+    # W_UQ·W_UK and W_O·W_UV stay float32, whatever the projections' bits
+    assert m.weight_bytes == front + 2 * 2048 * 8192 * 4
     kv = costs.step_costs(V2_LITE, "kv-cache", S=S)
     assert kv.cache_bytes == S * 16 * 320 * 4
     assert c.bytes_read == c.weight_bytes + c.cache_bytes + c.temp_bytes
@@ -74,7 +75,8 @@ def test_bytes_by_hand():
 
 
 def test_materialized_extra_bytes_and_prefill():
-    assert costs.materialized_extra_bytes(V2_LITE) == 2 * 2048 * 8192 * 5 // 8  # 20,971,520
+    assert costs.materialized_extra_bytes(V2_LITE) == 2 * 2048 * 8192 * 4  # 134,217,728
+    assert costs.materialized_extra_bytes(V2_LITE, itemsize=2) == 2 * 2048 * 8192 * 2
     # prefill: per-token terms ×L, per-position decompression once, attention ×L·S
     L = S = 2048
     n = costs.step_costs(V2_LITE, "naive", S=S, L=L).flops
@@ -90,3 +92,15 @@ def test_q_lora_and_errors():
                   + 2 * 2 * 128 * 128 * 512 + 2 * 128 * 128 * 5120)
     with pytest.raises(ValueError, match="no cost model"):
         costs.step_costs(V2_LITE, "flash", S=1)
+
+
+def test_short_chunk_crossover_is_where_absorb_and_naive_cost_the_same():
+    from mlx_mla.attention.costs import short_chunk_tokens
+
+    args = ModelArgs(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512,
+                     q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    assert short_chunk_tokens(args) == 512 * 256 / 768  # r(dn + dv) / (2r - dn - dv)
+    S = 10**8  # the limit of a long cache
+    for L, cheaper in ((170, "absorb"), (171, "naive")):
+        flops = {m: costs.step_costs(args, m, S=S, L=L).flops for m in ("absorb", "naive")}
+        assert min(flops, key=flops.get) == cheaper, L

@@ -46,11 +46,16 @@ def test_lazy_sizing_equals_a_loaded_model(tmp_path):
 
 def test_run_budget_and_outputs(folders, tmp_path):
     rows = bench.run(TINY, contexts=(8, 40), prefill_tokens=12, decode_steps=2,
-                     folders=folders, log=lambda *_: None)
-    plans = bench.plans()
+                     strategies=bench.ALL_STRATEGIES, folders=folders, log=lambda *_: None)
+    plans = bench.plans(bench.ALL_STRATEGIES)
     assert len(rows) == 2 * len(plans)
     for r in rows:
         assert r["decode_tps"] > 0 and r["weight_bytes"] > 0 and r["peak_bytes"] >= r["weight_bytes"]
+        if r["comparison"] == "defaults":
+            assert r["attention_ms"] is None
+            continue
+        assert r["attention_ms"] > 0
+        assert r["attention_share"] == pytest.approx(r["attention_ms"] * r["decode_tps"] / 1e3)
         assert r["cache_bytes"] >= r["context"] * r["cache_bytes_per_token"]
     by = {(r["comparison"], r["engine"], r["context"]): r for r in rows}
     f32 = "same dtype (float32)"
@@ -78,8 +83,39 @@ def test_run_budget_and_outputs(folders, tmp_path):
     paths = bench.write_results(rows, budget, checks, meta, tmp_path)
     assert paths["png"].stat().st_size > 0
     data = json.loads(paths["json"].read_text())
-    assert set(data["ratios"]) >= {"cache_bytes_ratio_vs_v2", "decode_8_vs_v2_same_dtype",
-                                   "decode_40_vs_v3_same_dtype"}
-    assert data["ratios"]["cache_bytes_ratio_vs_v2"] == pytest.approx(80 / 288)
+    ratios = data["ratios"][""]  # per BLAS; these rows carry none
+    assert set(ratios) >= {"cache_bytes_ratio_vs_v2", "decode_8_vs_v2_same_dtype",
+                           "decode_40_vs_v3_same_dtype", "prefill_vs_v2_same_dtype",
+                           "decode_40_vs_v2_same_dtype", "attention_share_40_mlx_mla_auto"}
+    assert ratios["cache_bytes_ratio_vs_v2"] == pytest.approx(80 / 288)
     with open(paths["csv"]) as f:
         assert len(list(csv.DictReader(f))) == len(rows)
+
+
+def test_without_strips_flags_and_their_values():
+    argv = ["--layers", "2", "--blas", "reference", "openblas", "--out", "x", "--prefill-v3"]
+    assert bench._without(argv, "--blas", "--out") == ["--layers", "2", "--prefill-v3"]
+
+
+def test_main_worker_then_parent_merges_per_blas(tmp_path, monkeypatch):
+    """The worker half (one BLAS, tiny model) writes its rows; the parent half merges the
+    workers' results (here the same one twice, as two BLAS) into one set of files."""
+    monkeypatch.setattr(bench, "make_config", lambda layers, base=None: bench.with_layers(TINY, layers))
+    worker = tmp_path / "w.json"
+    assert bench.main(["--worker-out", str(worker), "--contexts", "8", "40", "--prefill-tokens",
+                       "12", "--decode-steps", "2", "--check-extra-mib", "1"]) == 0
+    result = json.loads(worker.read_text())
+    assert {r["blas"] for r in result["rows"]} == {result["meta"]["blas"]}
+    assert result["meta"]["layers"] == 2 and result["meta"]["budget"]
+
+    def fake(module, argv, names, log=print):
+        assert module == "benchmarks.e2e_decode" and "--blas" not in argv
+        return [{"meta": {**result["meta"], "blas": n},
+                 "rows": [{**r, "blas": n} for r in result["rows"]]} for n in names]
+
+    monkeypatch.setattr(bench, "run_per_blas", fake)
+    assert bench.main(["--blas", "reference", "openblas", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "e2e_decode.json").read_text())
+    assert set(data["ratios"]) == set(data["meta"]) == {"reference", "openblas"}
+    with open(tmp_path / "e2e_decode.csv") as f:
+        assert {r["blas"] for r in csv.DictReader(f)} == {"reference", "openblas"}

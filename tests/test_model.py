@@ -132,21 +132,25 @@ def test_changing_a_later_token_leaves_earlier_logits_unchanged(fixture_pair, to
 def test_latent_cache_bytes_per_token(fixture_pair):
     model, _, _ = fixture_pair
     args = model.args
+    from mlx_lm.models.cache import KVCache
+
     cache = model.make_cache()
-    n = cache[0].step  # a whole number of preallocation blocks: allocated == used
+    n = KVCache.step  # a whole number of preallocation blocks: allocated == used
     model(mx.zeros((1, n), dtype=mx.int32), cache=cache)
     per_token = sum(c.nbytes for c in cache) / n
     expected = args.num_hidden_layers * (args.kv_lora_rank + args.qk_rope_head_dim) * 4
     assert per_token == expected == 4 * 80 * 4
 
 
-def test_cache_grows_past_one_block(fixture_pair, tokens48):
-    """Appending across the preallocation boundary keeps earlier entries."""
+def test_cache_grows_past_one_block(fixture_pair):
+    """Appending across the 256-position preallocation boundary keeps earlier entries."""
     model, _, _ = fixture_pair
+    args = model.args
+    tokens = fixture_tokens(300)
     cache = model.make_cache()
-    for c in cache:
-        c.step = 16
-    tokens = tokens48[:40]
-    parts = [ours(model, tokens[i : i + 10], cache) for i in range(0, 40, 10)]
+    parts = [ours(model, tokens[i : i + 100], cache) for i in range(0, 300, 100)]
     np.testing.assert_allclose(np.concatenate(parts), ours(model, tokens), atol=TOL)
-    assert cache[0].c_kv.shape[1] == 48 and cache[0].offset == 40
+    assert cache[0].offset == 300 and cache[0].c_kv.shape[1] == 300
+    # mlx-lm's KVCache growth: the third chunk finds 200 of 256 used, keeps those 200 and
+    # appends a new 256-position block: 456 positions of float32
+    assert cache[0].nbytes == 456 * (args.kv_lora_rank + args.qk_rope_head_dim) * 4

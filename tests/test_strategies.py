@@ -72,12 +72,34 @@ def test_set_mla_strategy_switches_and_frees(fixture_dir):
 
 
 def test_auto_chooses_by_phase_and_context():
-    from mlx_mla.attention.strategies.auto import Auto
+    from mlx_mla.attention.strategies.auto import Auto, Table
 
-    auto = Auto({"prefill": [(0, "naive")], "decode": [(0, "naive"), (100, "absorb")]})
-    assert auto.choose(L=8, S=5000) == "naive"
+    auto = Auto(Table(decode=((0, "naive"), (100, "absorb")), prefill=((0, "naive"),),
+                      short_prefill=((0, "naive"), (1000, "absorb-materialized")), short_chunk=16))
+    assert auto.choose(L=17, S=5000) == "naive"
+    assert auto.choose(L=16, S=5000) == "absorb-materialized"  # a short chunk over a long cache
+    assert auto.choose(L=16, S=999) == "naive"
     assert auto.choose(L=1, S=99) == "naive"
     assert auto.choose(L=1, S=100) == "absorb"
+    assert set(auto.strategies) == {"naive", "absorb", "absorb-materialized"}
+    assert Auto(Table(decode=((0, "absorb"),), prefill=((0, "naive"),))).choose(L=2, S=9999) == "naive"
+
+
+def test_auto_tables_per_backend_and_blas():
+    from mlx_mla import blas
+    from mlx_mla.attention import costs
+    from mlx_mla.attention.strategies import auto
+    from mlx_mla.config import ModelArgs
+
+    v2_lite = ModelArgs(hidden_size=2048, num_attention_heads=16, kv_lora_rank=512,
+                        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    # the analytic default's third phase ends where costs puts the crossover (170.7)
+    assert auto.DEFAULT_TABLE.short_chunk == int(costs.short_chunk_tokens(v2_lite)) == 170
+    assert auto.backend_key() == f"cpu/{blas.kind()}"  # the suite runs on MLX's CPU backend
+    assert auto.table_for("cuda") is auto.table_for("metal") is auto.DEFAULT_TABLE
+    for key, table in auto.CROSSOVER_TABLES.items():
+        assert key.startswith("cpu/") and table.names() <= set(auto._CANDIDATES)
+        assert auto.choose(table, 1, 16384) == "absorb"
 
 
 @pytest.fixture(scope="module")

@@ -45,3 +45,20 @@ def writable_copy(src: Path, dst: Path) -> Path:
     for p in dst.iterdir():
         p.chmod(0o644)
     return dst
+
+
+def corrupt_offsets(shard: Path) -> None:
+    """Make the first tensor of a safetensors file claim 2 bytes fewer than its shape needs
+    (header rewritten in place, same length): the corruption ``mx.load`` reports as
+    "invalid data offsets" mid-load."""
+    import struct
+
+    data = shard.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end - 2]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= n
+    shard.write_bytes(data[:8] + text.ljust(n) + data[8 + n:])

@@ -30,7 +30,8 @@ DeepSeek-V2-Lite (d 2048, H 16, r 512, dn 128, dr 64, dv 128), per decode step (
 Bytes read:
     weights   every weight the call multiplies by: a b-bit quantized Linear costs
               in·out·b/8 + 2·(in·out/group)·scale_itemsize (scales and biases); W_UK / W_UV
-              stay float (itemsize); norms at itemsize.
+              stay float (itemsize); norms at itemsize. absorb-materialized's W_UQ·W_UK and
+              W_O·W_UV are float (itemsize) whatever the projections are (see that strategy).
     cache     S·(r + dr)·itemsize (latent), or S·H·(dn + dr + dv)·itemsize (kv-cache).
     temporaries proportional to S, written and read back once each:
               naive: the decompressed keys (H·S·(dn + dr), k_pe broadcast into them) and
@@ -121,7 +122,7 @@ def step_costs(args, strategy: str, S: int, L: int = 1, itemsize: int = 4,
         weights += lin(q_in, H * dn) + H * (dn + dv) * r * itemsize + lin(H * dv, d)
     elif strategy == "absorb-materialized":
         flops += 2 * L * q_in * H * r + 2 * L * S * H * (2 * r + dr) + 2 * L * H * r * d
-        weights += lin(q_in, H * r) + lin(H * r, d)
+        weights += materialized_extra_bytes(args, itemsize)
     else:  # kv-cache: mlx-lm deepseek_v2 (fused q_proj / kv_a_proj / kv_b_proj)
         flops += (2 * L * q_in * H * dn + 2 * L * r * H * (dn + dv)
                   + 2 * L * S * H * (dn + dr + dv) + 2 * L * H * dv * d)
@@ -130,15 +131,14 @@ def step_costs(args, strategy: str, S: int, L: int = 1, itemsize: int = 4,
     return Costs(int(flops), int(weights), int(cache), int(temps))
 
 
-def materialized_extra_bytes(args, bits: Optional[int] = 4, group_size: int = 64,
-                             itemsize: int = 4, scale_itemsize: Optional[int] = None) -> int:
+def materialized_extra_bytes(args, itemsize: int = 4) -> int:
     """Extra parameter bytes per layer of ``absorb-materialized``: W_UQ·W_UKᵀ (q_in → H·r)
-    and W_O·W_UV (H·r → d), quantized like the projections they replace. (They replace
-    nothing in memory: W_UQ, W_UK, W_UV and o_proj stay, for the other strategies.)"""
+    and W_O·W_UV (H·r → d), float at ``itemsize`` (the strategy keeps them float, quantized
+    model or not). (They replace nothing in memory: W_UQ, W_UK, W_UV and o_proj stay, for
+    the other strategies.)"""
     d, H, r = args.hidden_size, args.num_attention_heads, args.kv_lora_rank
     q_in = getattr(args, "q_lora_rank", None) or d
-    return (quantized_bytes(q_in, H * r, bits, group_size, itemsize, scale_itemsize)
-            + quantized_bytes(H * r, d, bits, group_size, itemsize, scale_itemsize))
+    return (q_in * H * r + H * r * d) * itemsize
 
 
 def linear_in_s(args, strategy: str, **kw) -> tuple:
@@ -146,6 +146,19 @@ def linear_in_s(args, strategy: str, **kw) -> tuple:
     c0 = step_costs(args, strategy, S=0, L=1, **kw).flops
     c1 = step_costs(args, strategy, S=1, L=1, **kw).flops
     return c0, c1 - c0
+
+
+def short_chunk_tokens(args) -> float:
+    """Chunk length L below which a prefill chunk over a long cache costs ``absorb`` fewer
+    FLOPs than ``naive`` (the limit S → ∞ of the formulas above): naive decompresses all S
+    cached positions once per call (2·S·r·H·(dn + dv), whatever L), then pays
+    2·L·S·H·(dn + dr + dv) per query-position pair; absorb pays 2·L·S·H·(2r + dr) and no
+    decompression (its 2·L·H·r·(dn + dv) absorption does not grow with S). So
+    L* = r·(dn + dv) / (2r − dn − dv): DeepSeek-V2-Lite (and V2, whose per-head dims are
+    the same) 512·256 / 768 = 170.7. Infinite when 2r ≤ dn + dv."""
+    r, dn, dv = args.kv_lora_rank, args.qk_nope_head_dim, args.v_head_dim
+    denom = 2 * r - dn - dv
+    return float("inf") if denom <= 0 else r * (dn + dv) / denom
 
 
 def _si(x: float) -> str:
@@ -176,7 +189,7 @@ def markdown_table(args, itemsize: int = 4, bits: Optional[int] = 4, group_size:
 
 
 __all__ = ["Costs", "STRATEGY_MODELS", "step_costs", "quantized_bytes",
-           "materialized_extra_bytes", "linear_in_s", "markdown_table"]
+           "materialized_extra_bytes", "linear_in_s", "short_chunk_tokens", "markdown_table"]
 
 
 if __name__ == "__main__":

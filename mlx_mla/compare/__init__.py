@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .judge import QUANTIZED_MATERIALIZED, THRESHOLDS, Threshold, Verdict, judge, logit_stats, threshold_for
+from ..cli import context_error, quiet_on_broken_pipe
+from .judge import THRESHOLDS, Threshold, Verdict, judge, logit_stats, threshold_for
 from .measure import Run, greedy_run, teacher_forced_logits
 from .peer import load_peer, peer_config_adjustments
 from . import report
@@ -65,40 +67,74 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def input_error(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the arguments themselves (no model needed), or None."""
+    if args.max_tokens < 1:
+        return f"--max-tokens must be at least 1, got {args.max_tokens}"
+    if args.max_prompt_tokens < 1:
+        return f"--max-prompt-tokens must be at least 1, got {args.max_prompt_tokens}"
+    for flag, value in (("--max-logit-diff", args.max_logit_diff), ("--max-kl", args.max_kl)):
+        if value is not None and not value >= 0:
+            return f"{flag} must be 0 or more, got {value}"
+    if args.text_file is not None and not args.text_file.is_file():
+        return f"--text-file {args.text_file} does not exist or is not a file"
+    if args.json is not None:
+        folder = args.json.parent
+        if args.json.is_dir():
+            return f"--json {args.json} is a folder: name the file to write"
+        if not folder.is_dir():
+            return f"--json {args.json}: folder {folder} does not exist; create it first"
+        if not os.access(folder, os.W_OK):
+            return f"--json {args.json}: folder {folder} is not writable"
+    return None
+
+
+@quiet_on_broken_pipe
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the CLI; returns the exit status (0 agree, 1 disagree, 2 usage or load error)."""
+    """Run the CLI; returns the exit status (0 agree, 1 disagree, 2 usage or load error,
+    with one ``error:`` line; 141 when the reader of stdout closes it early). Every input
+    is checked before any model is loaded: the arguments, the folder, the backend/dtype
+    pair (``mlx_mla.loader.open_folder``, as ``mlx_mla.load`` checks it), and prompt +
+    ``--max-tokens`` against the model's context."""
     args = build_parser().parse_args(argv)
-    from .. import checkpoint
     from .. import load as mla_load
+    from ..checkpoint import ModelLoadError
     from ..dtypes import dtype_name
-    from ..loader import activation_dtype
+    from ..loader import load_tokenizer, open_folder
 
     def fail(message: str) -> int:
         print(f"error: {message}", file=sys.stderr)
         return 2
 
+    problem = input_error(args)
+    if problem:
+        return fail(problem)
+    if args.text_file is not None:
+        try:
+            text = args.text_file.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            return fail(f"cannot read --text-file {args.text_file} ({e}): pass a UTF-8 text file")
+    else:
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     try:
-        path, _ = checkpoint.resolve(args.model)
-        config = checkpoint.read_config(path)
-        checkpoint.check_weights(path)
-    except checkpoint.ModelLoadError as e:
+        path, config, model_args, dtype = open_folder(args.model, args.dtype)
+        tokenizer = load_tokenizer(path, config)
+    except ModelLoadError as e:
         return fail(str(e))
-    dtype = activation_dtype(args.dtype, config)
+    prompt = list(tokenizer.encode(text))[: args.max_prompt_tokens]
+    if not prompt:
+        return fail("the prompt encodes to no tokens")
+    problem = context_error(len(prompt), args.max_tokens, model_args.max_position_embeddings)
+    if problem:
+        return fail(problem)
     quantized = bool(config.get("quantization"))
     import mlx_lm
 
     # Reference first, then free it, so each engine's peak memory holds only its weights.
     try:
-        peer, tokenizer, notes = load_peer(path, dtype, config)
+        peer, _, notes = load_peer(path, dtype, config)
     except Exception as e:  # noqa: BLE001 - any failure of the peer is one error line
         return fail(f"mlx-lm could not load {path} ({type(e).__name__}: {e})")
-    if args.text_file is not None:
-        text = args.text_file.read_text()
-    else:
-        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    prompt = list(tokenizer.encode(text))[: args.max_prompt_tokens]
-    if not prompt:
-        return fail("the prompt encodes to no tokens")
 
     print(f"model: {path} ({config.get('model_type')}, {config.get('num_hidden_layers')} layers, "
           f"{'quantized' if quantized else 'unquantized'}; activations {dtype_name(dtype)}; "
@@ -117,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         model, _ = mla_load(path, mla_strategy=args.mla_strategy[0], dtype=dtype)
-    except checkpoint.ModelLoadError as e:
+    except ModelLoadError as e:
         return fail(str(e))
     override = (args.max_logit_diff, args.max_kl)
     runs: List[Run] = []
@@ -127,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         model.set_mla_strategy(strategy)
         run = greedy_run(f"mlx_mla {strategy}", model, tokenizer, prompt, args.max_tokens)
         ours_logits = teacher_forced_logits(model, prompt, ref.tokens)
-        thresholds[strategy] = threshold_for(dtype_name(dtype), quantized, strategy, override)
+        thresholds[strategy] = threshold_for(dtype_name(dtype), override)
         verdicts.append(judge(run, ref, ref_logits, ours_logits, len(prompt), thresholds[strategy]))
         runs.append(run)
 
@@ -148,5 +184,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 __all__ = ["main", "build_parser", "judge", "threshold_for", "logit_stats", "Threshold",
-           "Verdict", "Run", "THRESHOLDS", "QUANTIZED_MATERIALIZED", "peer_config_adjustments",
+           "Verdict", "Run", "THRESHOLDS", "peer_config_adjustments",
            "load_peer", "greedy_run", "teacher_forced_logits"]

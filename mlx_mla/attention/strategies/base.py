@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 
+from ...cache import QuantizedLatent
+
 if TYPE_CHECKING:
     from ..mla import MLAttention
 
@@ -17,7 +19,8 @@ class Strategy:
         attn: the layer's ``MLAttention`` (its weights: w_uq, w_uk, w_uv, o_proj, scale)
         c_q:  (B, L, q_in) the compressed query (x itself when q_lora_rank is null)
         q_pe: (B, H, L, qk_rope_head_dim), roped
-        c_kv: (B, S, kv_lora_rank); k_pe: (B, S, qk_rope_head_dim), roped; S = offset + L
+        c_kv: (B, S, kv_lora_rank), an array or a ``QuantizedLatent`` (a quantized cache);
+        k_pe: (B, S, qk_rope_head_dim), roped; S = the positions the cache holds
         mask: bool, broadcastable to (B, 1, L, S), True = attend; None = attend to all S.
     ``prepare(attn)`` builds the weights the strategy derives from the layer's own (once,
     when the strategy is selected) and keeps them on the strategy object; ``release()``
@@ -82,9 +85,14 @@ def latent_attention(
     ~35% faster than q_latent · c_kvᵀ and P · c_kv done whole. Prefill chunks keep the
     direct layout.
 
+    A quantized c_kv (``QuantizedLatent``) is multiplied as it is stored, with
+    ``mx.quantized_matmul`` for both products (its groups run along kv_lora_rank, which is
+    the contracted axis of the scores and the output axis of P·c_kv): no dequantized copy of
+    the cache is made.
+
     Args:
         q_latent: (B, H, L, kv_lora_rank); q_pe: (B, H, L, qk_rope_head_dim)
-        c_kv: (B, S, kv_lora_rank); k_pe: (B, S, qk_rope_head_dim)
+        c_kv: (B, S, kv_lora_rank) array or QuantizedLatent; k_pe: (B, S, qk_rope_head_dim)
         mask: bool broadcastable to (B, 1, L, S) (True = attend), or None
     Returns:
         o_latent: (B, H, L, kv_lora_rank), in q_latent's dtype.
@@ -94,6 +102,8 @@ def latent_attention(
     HL = H * L
     q_latent = (q_latent * scale).reshape(B, HL, r)
     q_pe = (q_pe * scale).reshape(B, HL, q_pe.shape[-1])
+    if isinstance(c_kv, QuantizedLatent):
+        return _quantized_latent_attention(q_latent, q_pe, c_kv, k_pe, mask, (B, H, L, r))
     decode = HL <= DECODE_ROWS
     if decode:
         q_lt = mx.contiguous(q_latent.swapaxes(1, 2))  # (B, r, H·L)
@@ -101,11 +111,7 @@ def latent_attention(
         scores = (c_kv @ q_lt + k_pe @ q_pt).swapaxes(1, 2)  # (B, H·L, S)
     else:
         scores = q_latent @ c_kv.swapaxes(1, 2) + q_pe @ k_pe.swapaxes(1, 2)  # (B, H·L, S)
-    if mask is not None:
-        scores = scores.reshape(B, H, L, S)
-        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-        scores = scores.reshape(B, HL, S)
-    probs = mx.softmax(scores, axis=-1, precise=True)
+    probs = _masked_softmax(scores, mask, (B, H, L, S))
     nb = S // BLOCK
     if not decode or nb < 2:
         return (probs @ c_kv).reshape(B, H, L, r)
@@ -114,4 +120,28 @@ def latent_attention(
     out = (blocks @ c_kv[:, :S0].reshape(B, nb, BLOCK, r)).sum(axis=1)  # (B, H·L, r)
     if S0 < S:
         out = out + probs[..., S0:] @ c_kv[:, S0:]
+    return out.reshape(B, H, L, r)
+
+
+def _masked_softmax(scores: mx.array, mask: Optional[mx.array], shape) -> mx.array:
+    """softmax over positions of (B, H·L, S) scores, masked positions getting no mass."""
+    B, H, L, S = shape
+    if mask is not None:
+        scores = scores.reshape(B, H, L, S)
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+        scores = scores.reshape(B, H * L, S)
+    return mx.softmax(scores, axis=-1, precise=True)
+
+
+def _quantized_latent_attention(q_latent, q_pe, c_kv: QuantizedLatent, k_pe, mask, shape):
+    """``latent_attention``'s two products on the stored quantized c_kv (scaled queries
+    already folded into (B, H·L, ·))."""
+    B, H, L, r = shape
+    q = dict(group_size=c_kv.group_size, bits=c_kv.bits)
+    scores = mx.quantized_matmul(q_latent, c_kv.weight, c_kv.scales, c_kv.biases,
+                                 transpose=True, **q)  # (B, H·L, S)
+    scores = scores + q_pe @ k_pe.swapaxes(1, 2)
+    probs = _masked_softmax(scores, mask, (B, H, L, scores.shape[-1]))
+    out = mx.quantized_matmul(probs, c_kv.weight, c_kv.scales, c_kv.biases,
+                              transpose=False, **q)  # (B, H·L, r)
     return out.reshape(B, H, L, r)

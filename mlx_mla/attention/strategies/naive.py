@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ...cache import QuantizedLatent
 from .base import Strategy, query_nope
 
 
@@ -26,6 +27,8 @@ class Naive(Strategy):
     def __call__(self, attn, c_q, q_pe, c_kv, k_pe, mask):
         B, L, _ = c_q.shape
         H, S = attn.num_heads, c_kv.shape[1]
+        if isinstance(c_kv, QuantizedLatent):  # decompression needs the float latent anyway
+            c_kv = c_kv.dequantize()
         q_nope = query_nope(attn, c_q)  # (B, H, L, dn)
         c = c_kv[:, None]  # (B, 1, S, r)
         # Contiguous (H, r, d) copies (4 MB each at V2-Lite shape, made per call, not kept):

@@ -1,0 +1,64 @@
+"""The cache flags of the commands: cache_prompt makes a file, generate continues it, and
+--max-kv-size / --kv-bits reach the latent cache; bad values are one line."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+from mlx_mla.cache_prompt import main as cache_prompt
+from mlx_mla.generate import main as generate
+
+# the demo model's known greedy continuation of "ROMEO:" (shared/fixtures/README.md)
+KNOWN = "\nO, I am in brief with a tale language.\n\nBENVOLIO:\nO, I am cried."
+
+
+def run(capsys, fn, *argv):
+    rc = fn(list(map(str, argv)))
+    out = capsys.readouterr()
+    return rc, out.out, out.err.strip().splitlines()
+
+
+def test_cache_prompt_then_generate_continues_it(capsys, tmp_path):
+    f = tmp_path / "romeo.safetensors"
+    rc, out, _ = run(capsys, cache_prompt, "--prompt", "ROMEO:\nO, I am in brief", "--prompt-cache-file", f)
+    assert rc == 0 and f.is_file() and "Saved the latent cache of 11 tokens" in out
+    rc, out, _ = run(capsys, generate, "--prompt-cache-file", f, "--prompt", " with a tale",
+                     "--max-tokens", "12", "--temp", "0", "--verbose", "false")
+    # the cache (11 tokens) + the suffix continue as the uncached greedy run of the whole
+    # text does: KNOWN goes on "… with a tale language.\n\nBENVOLIO:\nO, …"
+    assert rc == 0 and out.startswith("language.\n\nBENVOLIO:\nO,"), out
+
+
+def test_bounded_and_quantized_caches_from_the_command_line(capsys):
+    rc, out, _ = run(capsys, generate, "--max-tokens", "30", "--temp", "0", "--max-kv-size", "16")
+    assert rc == 0 and "Latent cache: " in out and "for 16 tokens" in out
+    rc, out, _ = run(capsys, generate, "--max-tokens", "30", "--temp", "0", "--kv-bits", "8",
+                     "--quantized-kv-start", "8")
+    # 4 layers × (64 8-bit c_kv + a float32 scale and bias + 16 float32 k_pe) per token
+    assert rc == 0 and "(544 bytes/token, 4 layers)" in out
+    assert KNOWN[:20] in out  # 8-bit keeps the greedy text here
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--kv-bits", "7"], "kv bits 7 is not supported"),
+    (["--kv-bits", "8", "--kv-group-size", "48"], "kv group size 48 must be 32, 64 or 128"),
+    (["--max-kv-size", "3"], "max_kv_size 3 must be larger than the 4 tokens always kept"),
+    (["--prompt-cache-file", "/nowhere/c.safetensors"], "does not exist"),
+])
+def test_bad_cache_flags_are_one_line(capsys, argv, expected):
+    rc, _, err = run(capsys, generate, "--max-tokens", "2", *argv)
+    assert rc == 1 and len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+def test_generate_refuses_a_cache_file_for_another_model(capsys, tmp_path):
+    f = tmp_path / "mlx-lm.safetensors"
+    caches = [KVCache() for _ in range(4)]
+    for c in caches:
+        import mlx.core as mx
+
+        c.update_and_fetch(mx.zeros((1, 8, 3, 48)), mx.zeros((1, 8, 3, 32)))
+    save_prompt_cache(str(f), caches, {"model": "elsewhere"})
+    rc, _, err = run(capsys, generate, "--model", __import__("mlx_mla").DEMO_MODEL,
+                     "--prompt-cache-file", f, "--max-tokens", "2")
+    assert rc == 1 and len(err) == 1 and "made for another kind of model" in err[0], err
