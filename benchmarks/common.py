@@ -1,4 +1,4 @@
-"""What the benchmarks share: DeepSeek-V2-Lite's shape, the shared data folder, result files.
+"""What the benchmarks share: DeepSeek-V2 shapes, the shared data folder, result files.
 
 Benchmarks are modules of the ``benchmarks`` package, run from the repository root as
 ``python -m benchmarks.NAME``; tests import them the same way.
@@ -51,6 +51,26 @@ V2: Dict = {
     "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
     "n_routed_experts": 160, "routed_scaling_factor": 16.0, "q_lora_rank": 1536,
     "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3,
+}
+
+
+# DeepSeek-V2 (236B) and V2.5: the same shapes; they differ from V2-Lite in the fields below
+# (deepseek-ai/DeepSeek-V2 and DeepSeek-V2.5 config.json; V2.5's YaRN mscale is 1.0).
+V2: Dict = {
+    **V2_LITE, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_routed_experts": 160, "q_lora_rank": 1536, "topk_method": "group_limited_greedy",
+    "n_group": 8, "topk_group": 3, "routed_scaling_factor": 16.0,
+}
+V2_5: Dict = {**V2, "rope_scaling": {**V2["rope_scaling"], "mscale": 1.0, "mscale_all_dim": 1.0}}
+# The released models, for tables computed from shapes alone (no weights). V2-Lite-Chat and
+# Coder-V2-Lite (continued pre-training of V2-Lite) have V2-Lite's shapes.
+MODEL_CONFIGS: Dict[str, Dict] = {
+    "DeepSeek-V2-Lite": V2_LITE,
+    "DeepSeek-V2-Lite-Chat": V2_LITE,
+    "DeepSeek-Coder-V2-Lite": V2_LITE,
+    "DeepSeek-V2": V2,
+    "DeepSeek-V2.5": V2_5,
 }
 
 

@@ -1,32 +1,37 @@
-"""Which DeepSeek-V2 tensors need more bits? Measure it, then pick the `mla` recipe.
+"""Which DeepSeek-V2 tensors need more bits? Measure it (the `mla` recipe's prior), then check
+the recipe on the fixture and on a second trained checkpoint against mlx_lm.convert.
 
-Quality metric: KL(reference || quantized) of next-token distributions, averaged over every
-position of the held-out corpus (../shared/corpus/shakespeare-heldout.txt, 256-token
-windows; ``--corpus`` for another file) on the fixture checkpoint (the package's demo
-model: the shared fixture's weights); the reference is the bf16 checkpoint run in float32.
-Also top-1 agreement with the reference.
+Quality metric: KL(reference || quantized) of next-token distributions, nats per position,
+averaged over 256-token windows of held-out text; the reference is the bf16 checkpoint run
+in float32. Also top-1 agreement with the reference.
 
-Steps (one run, so every ratio is same-run):
- 1. Sensitivity: for each tensor class (recipes.TENSOR_CLASSES) and each (bits, group)
-    option, quantize only that class (others float) and measure KL.
- 2. Layers: for each class spread over several layers, quantize one layer at a time
-    (4-bit, group 64) and split the class's KL per option over its layers in those
-    proportions; a unit is a class, or a class in one layer ("attn_o@0").
- 3. Choice: per-unit KLs are close to additive at these error levels, so pick one option
-    per unit minimising the summed KL under a bits-per-weight budget (exact
-    multiple-choice knapsack), then check the pick by measuring it for real.
- 4. Table: our converter (uniform, mla) against mlx_lm.convert (-q, and
-    --quant-predicate mixed_4_6), each a real converted folder.
+``--model fixture`` (default; the shared fixture = the package's demo model, Shakespeare):
+ 1. Sensitivity: for each tensor class and each (bits, group) option, quantize only that
+    class (every layer; the others float) and measure KL on the first --sweep-windows.
+ 2. Bands: for each class spread over several position bands (first layer, first MoE
+    layer, middle, last), quantize one band's layers at 4-bit/group 64 and turn the KLs
+    into per-layer weights. Steps 1-2 are the prior, written to convert/mla_prior.json.
+ 3. Choice: convert.plan solves the recipe on the fixture's shapes under the budget; its
+    predicted (summed) KL is compared with the KL measured with all choices together.
+ 4. Folders: our converter (uniform; mla with the prior; mla with --calibration-file) and
+    mlx_lm.convert (-q; --quant-predicate mixed_4_6), each a real converted folder, over
+    every evaluation window.
+``--model code`` (benchmarks/train_code_checkpoint.py: q_lora_rank, group-limited routing,
+hidden 192, 6 layers, Python source): step 4, plus per-layer KLs (each class quantized one
+layer at a time) that show whether the fixture's position rules hold on another model.
 
-Engine: this CPU build of MLX runs the fixture ~25x slower than PyTorch (its CPU matmul
-and gather_mm), so forward passes run in transformers' DeepseekV2ForCausalLM (float32).
-Quantized weights still come from `mx.quantize` and are expanded with `mx.dequantize`
-(scales in float32, as an mlx-lm model cast to float32 computes them); a check at the end
-compares against stock mlx_lm.load on one window.
+Engine: this CPU build of MLX runs these models ~15x slower than PyTorch, so forward passes
+run in transformers' DeepseekV2ForCausalLM (float32). Quantized weights still come from
+`mx.quantize` and are expanded with `mx.dequantize` (float32 scales, as an mlx-lm model cast
+to float32 computes them); a check compares against stock mlx_lm.load on one window.
+(--calibration-file itself runs in MLX, inside the converter.)
 
-    python -m benchmarks.quant_recipe            # ~15 minutes on 2 cores
-Writes benchmarks/results/quant_recipe_sensitivity.csv, quant_recipe_layers.csv,
-quant_recipe.csv, quant_recipe.json, quant_recipe.png.
+    python -m benchmarks.quant_recipe                 # fixture, ~25 minutes on 2 cores
+    python -m benchmarks.quant_recipe --model code    # after train_code_checkpoint, ~15 minutes
+    python -m benchmarks.quant_recipe --steps 3,4     # keep the prior, re-check the recipe
+Writes benchmarks/results/quant_recipe_{sensitivity,bands}.csv, quant_recipe.{csv,json,png}
+(fixture), quant_recipe_code{,_layers}.csv, quant_recipe_code.json (code), and
+convert/mla_prior.json (fixture).
 """
 
 from __future__ import annotations
@@ -42,17 +47,17 @@ import mlx.core as mx
 import numpy as np
 import torch
 
-from convert import ConvertOptions, convert
-from convert import layout, recipes
+from convert import ConvertOptions, convert, layout, plan, sensitivity
+from convert.recipes import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantSpec
 from convert.source import open_source
 from mlx_mla import DEMO_MODEL as FIXTURE
 
-from .common import RESULTS, SHARED_CORPUS, V2_LITE, shared_file
+from .common import RESULTS, SHARED_CORPUS, machine_info, shared_file, write_csv
+
 WINDOW = 256
-BUDGET_BPW = 4.6
-# Options per class in the sensitivity sweep: (bits, group); None = float.
-LAYER_OPTION = (4, 64)  # the option the per-layer split is measured at
-OPTIONS = [(3, 64), (4, 128), (4, 64), (4, 32), (5, 128), (5, 64), (6, 128), (6, 64), (8, 128), (8, 64), None]
+BASE = QuantSpec(4, 64)
+BAND_OPTION = QuantSpec(4, 64)  # the option the band split is measured at
+CALIBRATION_CHARS = 16_000  # fixture: the corpus's last 16 KB calibrate, the rest evaluates
 
 
 # ---------------------------------------------------------------- weights (mlx-lm layout)
@@ -93,86 +98,44 @@ def folder_state(folder: Path) -> dict:
     return state
 
 
-def unit_key(assignment: dict, module: str):
-    """The key of `assignment` that governs a module: "class@layer" if present, else the
-    class, else None (as recipes.Recipe.spec_for looks them up)."""
-    c = recipes.tensor_class(module)
-    u = f"{c}@{recipes.layer_of(module)}"
-    return u if u in assignment else (c if c in assignment else None)
-
-
-def fake_quant(state: dict, lay, assignment: dict) -> dict:
-    """`state` with each quantizable module quantized per its unit in `assignment`
-    (units absent from it stay float), as the converter would store it."""
+def fake_quant(state: dict, modules: dict) -> dict:
+    """`state` in float32 with each module of `modules` ({path: QuantSpec}) quantized and
+    expanded again, as the converter would store it and a float32 model would compute it."""
     out = {}
     for name, a in state.items():
-        module = layout.quantizable_param(lay, name)
-        key = unit_key(assignment, module) if module is not None else None
-        if key is not None:
-            spec = assignment[key]
-            if spec is not None and a.shape[-1] % spec[1] == 0:
-                w, s, b = mx.quantize(a, group_size=spec[1], bits=spec[0])
-                a = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
-                                  group_size=spec[1], bits=spec[0])
+        spec = modules.get(name.rpartition(".")[0]) if name.endswith(".weight") else None
+        if spec is not None:
+            w, s, b = mx.quantize(a, group_size=spec.group_size, bits=spec.bits)
+            a = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
+                              group_size=spec.group_size, bits=spec.bits)
         out[name] = a.astype(mx.float32)
     mx.eval(out)
     return out
 
 
-def bits_of(shape, spec, in_dim_ok=True) -> float:
-    """Stored bits of one weight under a spec (bf16 scale + bias per group)."""
-    n = int(np.prod(shape))
-    if spec is None or not in_dim_ok:
-        return 16.0 * n
-    bits, group = spec
-    return n * bits + (n // group) * 32
+def class_units(lay) -> dict:
+    """{class: [Unit]} of a Layout (convert.plan's units)."""
+    units, _ = plan.units_of(lay)
+    out = {}
+    for u in units.values():
+        out.setdefault(u.cls, []).append(u)
+    return out
 
 
-def class_params(lay) -> tuple:
-    """({class: [weight shapes]}, bits of the never-quantized rest at bf16, total params)."""
-    per_class, rest, total = {}, 0.0, 0
-    for name, shape in lay.shapes.items():
-        total += int(np.prod(shape))
-        module = layout.quantizable_param(lay, name)
-        if module is None:
-            rest += 16.0 * int(np.prod(shape))
-        else:
-            per_class.setdefault(recipes.tensor_class(module), []).append(shape)
-    return per_class, rest, total
-
-
-def unit_params(lay, split: set) -> dict:
-    """{unit: [weight shapes]}: a class, or "class@layer" for the classes in `split`."""
-    units = {}
-    for name, shape in lay.shapes.items():
-        module = layout.quantizable_param(lay, name)
-        if module is not None:
-            c = recipes.tensor_class(module)
-            units.setdefault(f"{c}@{recipes.layer_of(module)}" if c in split else c, []).append(shape)
-    return units
-
-
-def assignment_bpw(lay, assignment: dict) -> float:
-    bits, total = 0.0, 0
-    for name, shape in lay.shapes.items():
-        total += int(np.prod(shape))
-        module = layout.quantizable_param(lay, name)
-        key = unit_key(assignment, module) if module is not None else None
-        spec = assignment[key] if key is not None else None
-        bits += bits_of(shape, spec, spec is None or shape[-1] % spec[1] == 0)
-    return bits / total
+def modules_of(units, spec) -> dict:
+    return {m: spec for u in units for m, _ in u.modules}
 
 
 # ---------------------------------------------------------------- evaluation (PyTorch)
 class Evaluator:
     """Runs a state through transformers' float32 DeepSeek-V2 and compares to the reference."""
 
-    def __init__(self, fixture: Path, corpus: Path, max_windows: int | None = None):
+    def __init__(self, model_dir: Path, text: str, max_windows: int | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_pretrained(str(fixture), dtype=torch.float32).eval()
-        ids = AutoTokenizer.from_pretrained(str(fixture))(corpus.read_text())["input_ids"]
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        ids = AutoTokenizer.from_pretrained(str(model_dir))(text)["input_ids"]
         n = len(ids) // WINDOW
         if max_windows:
             n = min(n, max_windows)
@@ -180,17 +143,15 @@ class Evaluator:
         self.ref_logp = None
 
     def _load(self, state: dict) -> None:
-        sd = {}
+        sd, experts = {}, {}
         for name, a in state.items():
             t = torch.from_numpy(np.array(a.astype(mx.float32)))
             if ".switch_mlp." in name:
-                prefix = name.split(".switch_mlp.")[0]
-                proj = name.split(".switch_mlp.")[1].split(".")[0]
-                sd.setdefault(prefix, {})[proj] = t
-                continue
-            sd[name] = t
-        for prefix in [k for k, v in sd.items() if isinstance(v, dict)]:
-            parts = sd.pop(prefix)
+                prefix, rest = name.split(".switch_mlp.")
+                experts.setdefault(prefix, {})[rest.split(".")[0]] = t
+            else:
+                sd[name] = t
+        for prefix, parts in experts.items():
             # transformers 5 fuses experts: gate_up_proj (E, 2I, H) = [gate; up], down_proj (E, H, I)
             sd[f"{prefix}.experts.gate_up_proj"] = torch.cat([parts["gate_proj"], parts["up_proj"]], dim=1)
             sd[f"{prefix}.experts.down_proj"] = parts["down_proj"]
@@ -217,198 +178,236 @@ class Evaluator:
         return {"kl": kl, "top1": top1}
 
 
-# ---------------------------------------------------------------- choosing the recipe
-def knapsack(sens: dict, costs: dict, budget_bits: float, unit: float = 256.0) -> dict:
-    """Pick one option per class minimising sum KL with sum cost <= budget.
-
-    sens[c][opt] = KL, costs[c][opt] = bits. Exact dynamic programme over costs in
-    `unit`-bit steps (rounded up, so the budget is never exceeded).
-    """
-    classes = list(sens)
-    cap = int(budget_bits // unit)
-    best = {0: (0.0, {})}  # cost units -> (kl, choice)
-    for c in classes:
-        nxt = {}
-        for used, (kl, choice) in best.items():
-            for opt, k in sens[c].items():
-                u = used + int(np.ceil(costs[c][opt] / unit))
-                if u > cap:
-                    continue
-                cand = (kl + k, {**choice, c: opt})
-                if u not in nxt or cand[0] < nxt[u][0]:
-                    nxt[u] = cand
-        # keep only the Pareto front: more bits must buy less KL
-        front, best_kl = {}, float("inf")
-        for u in sorted(nxt):
-            if nxt[u][0] < best_kl:
-                front[u], best_kl = nxt[u], nxt[u][0]
-        best = front
-    return min(best.values(), key=lambda t: t[0])[1]
+# ---------------------------------------------------------------- 1. sensitivity
+def all_options(in_dim: int, bits=SUPPORTED_BITS, groups=SUPPORTED_GROUP_SIZES) -> list:
+    return [QuantSpec(b, g) for b in bits for g in groups if in_dim % g == 0]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-windows", type=int, default=None, help="limit the corpus (quick runs)")
-    ap.add_argument("--sweep-windows", type=int, default=24,
-                    help="windows for the per-class sweep (the final table uses all)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--corpus", type=Path, default=SHARED_CORPUS,
-                    help="held-out text (default: ../shared/corpus/shakespeare-heldout.txt)")
-    args = ap.parse_args()
-    corpus = shared_file(args.corpus, "the held-out text the KL is measured on")
-    args.out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+def measure_sensitivity(ev, state, lay, windows: int, bits=SUPPORTED_BITS,
+                        groups=SUPPORTED_GROUP_SIZES) -> tuple:
+    """Each class alone at every option (`bits` x the `groups` its input dim takes):
+    ({class: {QuantSpec: KL}}, CSV rows)."""
+    per_class = class_units(lay)
+    total = sum(int(np.prod(s)) for s in lay.shapes.values())
+    kl, rows = {}, []
+    for cls, units in per_class.items():
+        n = sum(u.params for u in units)
+        kl[cls] = {}
+        for opt in all_options(units[0].in_dim, bits, groups):
+            m = ev.measure(fake_quant(state, modules_of(units, opt)), windows)
+            kl[cls][opt] = m["kl"]
+            stored = sum(plan.spec_bits(p, opt) for u in units for _, p in u.modules)
+            rows.append({"class": cls, "params": n, "share": n / total,
+                         "option": sensitivity.option_key(opt), "class_bpw": stored / n,
+                         "kl": m["kl"], "top1": m["top1"]})
+            print(f"  {cls:16s} {sensitivity.option_key(opt):6s} kl={m['kl']:.5f} top1={m['top1']:.3f}", flush=True)
+    return kl, rows
 
-    src = source_state(FIXTURE)
-    lay = layout.Layout.for_config(json.loads((FIXTURE / "config.json").read_text()))
-    ev = Evaluator(FIXTURE, corpus, args.max_windows)
-    ev.set_reference({k: v.astype(mx.float32) for k, v in src.items()})
-    n_tok = ev.windows.numel()
-    print(f"[quant_recipe] {n_tok} held-out tokens in {len(ev.windows)} windows")
 
-    # 1. sensitivity
-    per_class, _, total = class_params(lay)
-    sens, costs, rows = {}, {}, []
-    for c in recipes.TENSOR_CLASSES:
-        if c not in per_class:
+# ---------------------------------------------------------------- 2. bands
+def measure_bands(ev, state, lay, windows: int) -> tuple:
+    """Each class's layers one position band at a time, at BAND_OPTION:
+    ({class: {band: per-layer weight, mean 1 over the class's layers}}, CSV rows)."""
+    n_layers, first_moe = plan.model_layers(lay)
+    bands, rows = {}, []
+    for cls, units in class_units(lay).items():
+        by_band = {}
+        for u in units:
+            if u.layer is not None:
+                by_band.setdefault(sensitivity.band_of(u.layer, n_layers, first_moe), []).append(u)
+        if len(by_band) < 2:
             continue
-        sens[c], costs[c] = {}, {}
-        n = sum(int(np.prod(s)) for s in per_class[c])
-        for opt in OPTIONS:
-            ok = opt is None or all(s[-1] % opt[1] == 0 for s in per_class[c])
-            cost = sum(bits_of(s, opt, ok) for s in per_class[c])
-            if not ok:
-                continue  # mx.quantize cannot group it: the converter keeps it float
-            m = {"kl": 0.0, "top1": 1.0} if opt is None else ev.measure(fake_quant(src, lay, {c: opt}), args.sweep_windows)
-            sens[c][opt], costs[c][opt] = m["kl"], cost
-            label = "float" if opt is None else f"{opt[0]}b/g{opt[1]}"
-            rows.append({"class": c, "params": n, "share": n / total, "option": label,
-                         "class_bpw": cost / n, "kl": m["kl"], "top1": m["top1"]})
-            print(f"  {c:16s} {label:8s} kl={m['kl']:.4f} top1={m['top1']:.3f}", flush=True)
-    with open(args.out / "quant_recipe_sensitivity.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+        per = {}
+        for band, us in by_band.items():
+            m = ev.measure(fake_quant(state, modules_of(us, BAND_OPTION)), windows)
+            per[band] = (m["kl"], len(us))
+            print(f"  {cls:16s} {band:9s} kl={m['kl']:.5f}", flush=True)
+        mean = sum(k for k, _ in per.values()) / sum(n for _, n in per.values())
+        bands[cls] = {b: (k / n) / mean for b, (k, n) in per.items()}
+        rows += [{"class": cls, "band": b, "layers": n, "option": sensitivity.option_key(BAND_OPTION),
+                  "kl": k, "layer_weight": bands[cls][b]} for b, (k, n) in per.items()]
+    return bands, rows
 
-    # 2. per-layer split: one layer of a class at a time, at LAYER_OPTION
-    layers_of = {}
-    for name in lay.shapes:
-        module = layout.quantizable_param(lay, name)
-        if module is not None and recipes.layer_of(module) is not None:
-            layers_of.setdefault(recipes.tensor_class(module), set()).add(recipes.layer_of(module))
-    split = {c for c, ls in layers_of.items() if len(ls) > 1 and c in sens}
-    units = unit_params(lay, split)
-    layer_kl, layer_rows = {}, []
-    for u in units:
-        if "@" in u:
-            m = ev.measure(fake_quant(src, lay, {u: LAYER_OPTION}), args.sweep_windows)
-            layer_kl[u] = m["kl"]
-            print(f"  {u:18s} {LAYER_OPTION[0]}b/g{LAYER_OPTION[1]} kl={m['kl']:.4f}", flush=True)
-    u_sens, u_costs = {}, {}
-    for u, shapes in units.items():
-        c = u.split("@")[0]
-        share = layer_kl[u] / sum(k for v, k in layer_kl.items() if v.split("@")[0] == c) if "@" in u else 1.0
-        if "@" in u:
-            layer_rows.append({"unit": u, "params": sum(int(np.prod(s)) for s in shapes),
-                               "option": f"{LAYER_OPTION[0]}b/g{LAYER_OPTION[1]}",
-                               "kl": layer_kl[u], "share_of_class": share})
-        u_sens[u] = {o: k * share for o, k in sens[c].items()}
-        u_costs[u] = {o: sum(bits_of(s, o, o is None or s[-1] % o[1] == 0) for s in shapes) for o in sens[c]}
-    with open(args.out / "quant_recipe_layers.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(layer_rows[0]))
-        w.writeheader()
-        w.writerows(layer_rows)
 
-    # 3. choice under the budget (bits of never-quantized tensors come off the top)
-    _, rest, _ = class_params(lay)
-    # Design rules: no class below the base 4 bits (a 3-bit bulk is what --q-bits 3 is
-    # for); kv_b_proj at >= 8 bits, since mlx_mla splits it into the absorbed W_UK / W_UV
-    # whose error every head's scores and outputs inherit (see the strategies section).
-    def allowed(sens_, unit_):
-        low = 8 if unit_.split("@")[0] == "attn_kv_b" else 4
-        return {o: k for o, k in sens_.items() if o is None or o[0] >= low}
+def measure_layers(ev, state, lay, windows: int) -> list:
+    """Each class quantized one layer at a time at BAND_OPTION (the evidence for position
+    rules on a deeper model): CSV rows with each layer's share of the class's summed KL."""
+    n_layers, first_moe = plan.model_layers(lay)
+    rows = []
+    for cls, units in class_units(lay).items():
+        if len(units) < 2:
+            continue
+        got = [(u, ev.measure(fake_quant(state, modules_of([u], BAND_OPTION)), windows)["kl"]) for u in units]
+        total = sum(k for _, k in got)
+        for u, k in got:
+            rows.append({"class": cls, "layer": u.layer, "band": sensitivity.band_of(u.layer, n_layers, first_moe),
+                         "kl": k, "share_of_class": k / total, "layer_weight": k * len(units) / total})
+            print(f"  {u.name:20s} kl={k:.5f} weight={k * len(units) / total:.2f}", flush=True)
+    return rows
 
-    class_choice = knapsack({c: allowed(o, c) for c, o in sens.items()}, costs, BUDGET_BPW * total - rest, unit=64)
-    class_checked = ev.measure(fake_quant(src, lay, class_choice), args.sweep_windows)
-    choice = knapsack({u: allowed(o, u) for u, o in u_sens.items()}, u_costs, BUDGET_BPW * total - rest, unit=64)
-    print("[quant_recipe] knapsack choice:", choice)
-    predicted = sum(u_sens[c][o] for c, o in choice.items())
-    checked = ev.measure(fake_quant(src, lay, choice), args.sweep_windows)
-    uniform = ev.measure(fake_quant(src, lay, {c: (4, 64) for c in sens}), args.sweep_windows)
-    print(f"  predicted KL {predicted:.4f}, measured {checked['kl']:.4f} "
-          f"(uniform 4-bit {uniform['kl']:.4f}), bpw {assignment_bpw(lay, choice):.3f}; "
-          f"per-class only: {class_checked['kl']:.4f}")
-    base_cfg = {c: (4, 64) for c in recipes.TENSOR_CLASSES}
-    table_cfg = {**base_cfg, **{u: (s.bits, s.group_size) if s else None
-                                for u, s in recipes.make_recipe("mla", 4, 64).overrides.items()}}
-    same = all(fake_spec == table_cfg[unit_key(table_cfg, m)] for m, fake_spec in
-               ((layout.quantizable_param(lay, n), choice[unit_key(choice, layout.quantizable_param(lay, n))])
-                for n in lay.shapes if layout.quantizable_param(lay, n) is not None))
-    print(f"[quant_recipe] recipes.MLA_TABLE {'matches' if same else 'DIFFERS FROM'} this choice")
 
-    # 4. real folders: ours and mlx-lm's
+# ---------------------------------------------------------------- 3. the plan's prediction
+def check_plan(ev, state, lay, prior, budget: float, windows: int, min_bits: int | None = None) -> dict:
+    """The plan convert.plan solves on this model vs its measured KL, and uniform 4-bit."""
+    p = plan.plan_mla(lay, BASE, budget, prior, min_bits=min_bits)
+    units, _ = plan.units_of(lay)
+    chosen = {m: p.units[k] for k, u in units.items() for m, _ in u.modules if p.units[k] is not None}
+    measured = ev.measure(fake_quant(state, chosen), windows)
+    uniform = ev.measure(fake_quant(state, {m: BASE for u in units.values() for m, _ in u.modules}), windows)
+    print(f"  plan (min bits {min_bits or BASE.bits}): {p.planned_bpw:.3f} bpw, predicted KL {p.predicted_kl:.4f}, measured {measured['kl']:.4f} "
+          f"(uniform 4-bit/g64 {uniform['kl']:.4f})", flush=True)
+    return {"planned_bpw": p.planned_bpw, "predicted_kl": p.predicted_kl, "measured_kl": measured["kl"],
+            "uniform_kl": uniform["kl"], "units": {k: sensitivity.option_key(s) for k, s in p.units.items() if s}}
+
+
+# ---------------------------------------------------------------- 4. real folders
+def converters(model_dir: Path, calibration: Path, budget: float | None, with_mixed: bool) -> dict:
+    """{label: function(output path)}: mlx-lm's converter and ours, each writing a folder."""
     from mlx_lm.convert import convert as mlx_lm_convert
 
-    table = []
+    def ours(**kw):
+        return lambda p: convert(ConvertOptions(str(model_dir), str(p), quantize=True, progress=False, **kw))
+
+    runs = {"mlx-lm -q (uniform 4-bit, g64)":
+            lambda p: mlx_lm_convert(str(model_dir), str(p), quantize=True, q_bits=4, q_group_size=64)}
+    if with_mixed:
+        runs["mlx-lm mixed_4_6"] = lambda p: mlx_lm_convert(
+            str(model_dir), str(p), quantize=True, q_bits=4, q_group_size=64, quant_predicate="mixed_4_6")
+    runs["ours uniform (4-bit, g64)"] = ours(quant_recipe="uniform")
+    for min_bits in (3, 4):  # 3 is the default for --q-bits 4
+        runs[f"ours mla (prior, --min-bits {min_bits})"] = ours(bits_per_weight=budget, min_bits=min_bits)
+        runs[f"ours mla (--calibration-file, --min-bits {min_bits})"] = ours(
+            bits_per_weight=budget, min_bits=min_bits, calibration_file=str(calibration))
+    return runs
+
+
+def measure_folders(ev, runs: dict, tmp: Path) -> tuple:
+    """Each converter's folder over every evaluation window: (rows, {label: folder})."""
+    table, folders = [], {}
+    for i, (label, run) in enumerate(runs.items()):
+        path = tmp / f"run{i}"
+        t0 = time.time()
+        report = run(path)
+        seconds = time.time() - t0
+        index = json.loads((path / "model.safetensors.index.json").read_text())["metadata"]
+        bpw = index["total_size"] * 8 / index["total_parameters"]
+        m = ev.measure(folder_state(path))
+        row = {"method": label, "bpw": bpw, "kl": m["kl"], "top1": m["top1"], "convert_seconds": seconds}
+        if report is not None and getattr(report, "calibration", None):
+            row["calibration"] = "\n".join(report.calibration)
+        table.append(row)
+        folders[label] = path
+        print(f"  {label:32s} bpw={bpw:.3f} kl={m['kl']:.4f} top1={m['top1']:.3f} ({seconds:.0f} s)", flush=True)
+    for r in table:
+        r["kl_vs_mlx_lm_q"] = r["kl"] / table[0]["kl"]
+    return table, folders
+
+
+def engine_check(ev, folder: Path) -> float:
+    """max |log p| difference between stock mlx_lm.load (float32) and our PyTorch
+    evaluation of the same folder, on one window."""
+    from mlx.utils import tree_map
+    from mlx_lm import load as mlx_lm_load
+
+    model, _ = mlx_lm_load(str(folder))
+    model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+                          model.parameters()))
+    x = ev.windows[:1]
+    logits = model(mx.array(x.numpy())).astype(mx.float32)
+    ml = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    ev._load(folder_state(folder))
+    with torch.no_grad():
+        tl = torch.log_softmax(ev.model(x).logits, -1).numpy()
+    return float(np.abs(ml - tl).max())
+
+
+# ---------------------------------------------------------------- runs
+def _update_json(path: Path, values: dict) -> None:
+    """Merge `values` into the JSON results file at `path` (steps not run keep theirs)."""
+    meta = json.loads(path.read_text()) if path.is_file() else {}
+    meta.update(values)
+    path.write_text(json.dumps(meta, indent=2))
+
+
+def _folders_step(ev, model_dir: Path, calibration_text: str, with_mixed: bool) -> tuple:
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        runs = {
-            "mlx-lm -q (uniform 4-bit, g64)": lambda p: mlx_lm_convert(str(FIXTURE), str(p), quantize=True, q_bits=4, q_group_size=64),
-            "mlx-lm mixed_4_6": lambda p: mlx_lm_convert(str(FIXTURE), str(p), quantize=True, q_bits=4, q_group_size=64, quant_predicate="mixed_4_6"),
-            "ours uniform (4-bit, g64)": lambda p: convert(ConvertOptions(str(FIXTURE), str(p), quantize=True, quant_recipe="uniform", progress=False)),
-            "ours mla (4-bit base, g64)": lambda p: convert(ConvertOptions(str(FIXTURE), str(p), quantize=True, quant_recipe="mla", progress=False)),
-        }
-        lite = layout.Layout.for_config(V2_LITE)
-        for label, run in runs.items():
-            path = tmp / label.split()[0] / label.replace(" ", "_").replace("/", "")
-            run(path)
-            index = json.loads((path / "model.safetensors.index.json").read_text())["metadata"]
-            bpw = index["total_size"] * 8 / index["total_parameters"]
-            m = ev.measure(folder_state(path))
-            table.append({"method": label, "bpw": bpw, "kl": m["kl"], "top1": m["top1"]})
-            print(f"  {label:32s} bpw={bpw:.3f} kl={m['kl']:.4f} top1={m['top1']:.3f}", flush=True)
-        uni = table[0]["kl"]
-        for r in table:
-            r["kl_vs_mlx_lm_uniform"] = r["kl"] / uni
-        mla_choice = {c: (s.bits, s.group_size) if s else None
-                      for c, s in recipes.make_recipe("mla", 4, 64).overrides.items()}
-        base = {c: (4, 64) for c in recipes.TENSOR_CLASSES}
-        lite_bpw = assignment_bpw(lite, {**base, **mla_choice})
-        print(f"[quant_recipe] mla recipe on DeepSeek-V2-Lite shapes: {lite_bpw:.3f} bpw "
-              f"(uniform 4-bit: {assignment_bpw(lite, base):.3f})")
+        calib = Path(tmp) / "calibration.txt"
+        calib.write_text(calibration_text)
+        table, folders = measure_folders(ev, converters(model_dir, calib, None, with_mixed), Path(tmp))
+        diff = engine_check(ev, folders["mlx-lm -q (uniform 4-bit, g64)"])
+    print(f"[quant_recipe] engine check: max |logp mlx_lm - torch| on one window = {diff:.2e}")
+    calibration = {r["method"]: r.pop("calibration") for r in table if "calibration" in r}
+    return table, {"calibration_tables": calibration, "engine_check_max_abs_logp_diff": diff}
 
-        # engine check: stock mlx_lm (float32) vs our PyTorch evaluation, one window
-        from mlx.utils import tree_map
-        from mlx_lm import load as mlx_lm_load
 
-        path = tmp / "mlx-lm" / "mlx-lm_-q_(uniform_4-bit,_g64)"
-        model, _ = mlx_lm_load(str(path))
-        model.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
-                              model.parameters()))
-        x = ev.windows[:1]
-        logits = model(mx.array(x.numpy())).astype(mx.float32)
-        ml = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        ev.model.eval()
-        ev._load(folder_state(path))
-        with torch.no_grad():
-            tl = torch.log_softmax(ev.model(x).logits, -1).numpy()
-        diff = float(np.abs(ml - tl).max())
-        print(f"[quant_recipe] engine check: max |logp mlx_lm - torch| on one window = {diff:.2e}")
+def run_fixture(args) -> None:
+    corpus = shared_file(args.corpus, "the held-out text the KL is measured on").read_text()
+    text, calib_text = corpus[:-CALIBRATION_CHARS], corpus[-CALIBRATION_CHARS:]
+    lay = layout.Layout.for_config(json.loads((FIXTURE / "config.json").read_text()))
+    state = source_state(FIXTURE)
+    ev = Evaluator(FIXTURE, text, args.max_windows)
+    ev.set_reference({k: v.astype(mx.float32) for k, v in state.items()})
+    print(f"[quant_recipe] fixture: {ev.windows.numel()} held-out tokens in {len(ev.windows)} windows")
+    t0, meta = time.time(), {"model": "tiny-dsv2-lite-shakespeare", "tokens": ev.windows.numel(), "window": WINDOW}
+    if {1, 2} & args.steps:
+        print("[quant_recipe] 1. sensitivity per class and option")
+        kl, sens_rows = measure_sensitivity(ev, state, lay, args.sweep_windows)
+        write_csv(sens_rows, args.out / "quant_recipe_sensitivity.csv")
+        print("[quant_recipe] 2. bands")
+        bands, band_rows = measure_bands(ev, state, lay, args.sweep_windows)
+        write_csv(band_rows, args.out / "quant_recipe_bands.csv")
+        prior = sensitivity.Sensitivity(
+            f"built-in prior (tiny-dsv2-lite-shakespeare, {args.sweep_windows} windows of {WINDOW} tokens)",
+            kl, bands)
+        sensitivity.PRIOR_FILE.write_text(json.dumps(prior.to_json(), indent=1) + "\n")
+        meta["sweep_windows"] = args.sweep_windows
+    budget = plan.default_bits_per_weight(BASE)
+    if 3 in args.steps:
+        print("[quant_recipe] 3. the plan on the fixture's shapes")
+        prior = sensitivity.load_prior()  # as the converter reads it
+        meta["plan_check"] = {f"min_bits_{b}": check_plan(ev, state, lay, prior, budget, args.sweep_windows, b)
+                              for b in (4, 3)}
+    if 4 in args.steps:
+        print("[quant_recipe] 4. converted folders, every window")
+        table, extra = _folders_step(ev, FIXTURE, calib_text, with_mixed=True)
+        write_csv(table, args.out / "quant_recipe.csv")
+        meta.update(extra)
+        with open(args.out / "quant_recipe_sensitivity.csv") as f:
+            sens_rows = [{**r, "kl": float(r["kl"])} for r in csv.DictReader(f)]
+        plot(sens_rows, table, args.out / "quant_recipe.png")
+    _update_json(args.out / "quant_recipe.json", {**meta, "budget_bpw": budget, "seconds": time.time() - t0,
+                                                   **machine_info()})
 
-    with open(args.out / "quant_recipe.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
-    meta = {"tokens": n_tok, "window": WINDOW, "sweep_windows": args.sweep_windows,
-            "knapsack_choice": {c: o for c, o in choice.items()},
-            "mla_table_matches_choice": same,
-            "per_class_knapsack_choice": class_choice, "per_class_measured_kl": class_checked["kl"],
-            "knapsack_predicted_kl": predicted, "knapsack_measured_kl": checked["kl"],
-            "uniform_fake_quant_kl": uniform["kl"],
-            "mla_on_v2_lite_bpw": lite_bpw, "uniform_on_v2_lite_bpw": assignment_bpw(lite, base),
-            "engine_check_max_abs_logp_diff": diff, "seconds": time.time() - t0}
-    (args.out / "quant_recipe.json").write_text(json.dumps(meta, indent=2, default=str))
-    plot(rows, table, args.out / "quant_recipe.png")
+
+def run_code(args) -> None:
+    from .train_code_checkpoint import CALIBRATION, HELDOUT, ensure_checkpoint, weights_digest
+
+    model_dir = ensure_checkpoint()
+    lay = layout.Layout.for_config(json.loads((model_dir / "config.json").read_text()))
+    state = source_state(model_dir)
+    ev = Evaluator(model_dir, HELDOUT.read_text(), args.max_windows or 64)
+    ev.set_reference({k: v.astype(mx.float32) for k, v in state.items()})
+    print(f"[quant_recipe] code: {ev.windows.numel()} held-out tokens in {len(ev.windows)} windows")
+    t0 = time.time()
+    meta = {"model": model_dir.name, "weights_sha256": weights_digest(model_dir), "tokens": ev.windows.numel(),
+            "window": WINDOW}
+    if 2 in args.steps:
+        print("[quant_recipe] 2. per-layer KL, one layer of a class at a time")
+        write_csv(measure_layers(ev, state, lay, args.sweep_windows), args.out / "quant_recipe_code_layers.csv")
+        meta["layer_windows"] = args.sweep_windows
+    budget = plan.default_bits_per_weight(BASE)
+    if 3 in args.steps:
+        print("[quant_recipe] 3. the plan's prediction")
+        prior = sensitivity.load_prior()
+        meta["plan_check"] = {f"min_bits_{b}": check_plan(ev, state, lay, prior, budget, args.sweep_windows, b)
+                              for b in (4, 3)}
+    if 4 in args.steps:
+        print("[quant_recipe] 4. converted folders, every window")
+        table, extra = _folders_step(ev, model_dir, CALIBRATION.read_text(), with_mixed=False)
+        write_csv(table, args.out / "quant_recipe_code.csv")
+        meta.update(extra)
+    _update_json(args.out / "quant_recipe_code.json", {**meta, "budget_bpw": budget, "seconds": time.time() - t0,
+                                                        **machine_info()})
 
 
 def plot(rows, table, path: Path) -> None:
@@ -419,11 +418,12 @@ def plot(rows, table, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
     classes = list(dict.fromkeys(r["class"] for r in rows))
-    opts = [o for o in dict.fromkeys(r["option"] for r in rows) if o != "float"]
+    opts = [o for o in dict.fromkeys(r["option"] for r in rows) if o.split("/")[0] in ("3", "4", "5", "6", "8")
+            and o.endswith("/64")]
     width = 0.8 / len(opts)
     for i, o in enumerate(opts):
         ks = [next((r["kl"] for r in rows if r["class"] == c and r["option"] == o), np.nan) for c in classes]
-        a.bar(np.arange(len(classes)) + i * width, ks, width, label=o)
+        a.bar(np.arange(len(classes)) + i * width, ks, width, label=f"{o.split('/')[0]}-bit, group 64")
     a.set_xticks(np.arange(len(classes)) + 0.4, classes, rotation=45, ha="right")
     a.set_yscale("log")
     a.set_ylabel("KL(ref || q), only this class quantized")
@@ -437,6 +437,24 @@ def plot(rows, table, path: Path) -> None:
     b.set_title("Whole-model quantization, tiny-dsv2-lite-shakespeare")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("fixture", "code"), default="fixture")
+    ap.add_argument("--max-windows", type=int, default=None, help="limit the evaluation text (quick runs)")
+    ap.add_argument("--sweep-windows", type=int, default=24,
+                    help="windows for the per-class and per-band sweeps (the folders use all)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--corpus", type=Path, default=SHARED_CORPUS,
+                    help="fixture: held-out text (default: ../shared/corpus/shakespeare-heldout.txt)")
+    ap.add_argument("--steps", default="1,2,3,4",
+                    help="steps to run (fixture: 1-2 remake the prior, 3 the plan's prediction, 4 the "
+                    "folders; code: 2 per-layer KLs, 3, 4); results of steps not run are kept")
+    args = ap.parse_args()
+    args.steps = {int(x) for x in args.steps.split(",")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (run_code if args.model == "code" else run_fixture)(args)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quantize", action="store_true", help="Quantize the weights (mx.quantize).")
     p.add_argument("--q-bits", type=int, default=None,
                    help=f"Base bits per weight for --q-mode affine: "
-                   f"{', '.join(map(str, recipes.SUPPORTED_BITS))} (default 4; the other modes fix it).")
+                   f"{', '.join(map(str, recipes.SUPPORTED_BITS))} (default 4; the other modes fix it; "
+                   "the mla recipe's default budget and --min-bits follow it).")
     p.add_argument("--q-group-size", type=int, default=None,
                    help=f"Group size for --q-mode affine: "
                    f"{', '.join(map(str, recipes.SUPPORTED_GROUP_SIZES))} (default 64; the other modes fix it).")
@@ -37,9 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
                    + ", ".join(f"{m} ({b}-bit, group {g})" for m, (b, g) in recipes.FIXED_MODES.items()) + ".")
     p.add_argument("--quant-recipe", default=None,
                    help="Which tensors get which bits: 'mla' (the default for --q-mode affine, "
-                   "recommended: --q-bits for the bulk, 5-8 bits where KL measurements showed 4-bit hurts "
-                   "most, kv_b_proj at 8; see README) or 'uniform' (--q-bits everywhere, like "
+                   "recommended: each module its own bits and group, from --min-bits to 8, where "
+                   "measured KL says they buy the most, solved on this model's shapes within "
+                   "--bits-per-weight; see README) or 'uniform' (--q-bits everywhere, like "
                    "mlx_lm.convert -q; the only recipe of the floating-point modes, and their default).")
+    p.add_argument("--bits-per-weight", type=float, default=None,
+                   help="mla recipe: the budget in bits per weight, float tensors included (default: "
+                   "uniform --q-bits with a scale and bias per group + 0.1, i.e. 4.6 for 4-bit, group "
+                   "64, bfloat16). Below the model's floor the floor is used, with a note.")
+    p.add_argument("--min-bits", type=int, default=None,
+                   help="mla recipe: the fewest bits any module may get (default: the next supported "
+                   "width below --q-bits, e.g. 3 for 4, so the least sensitive tensors can pay for "
+                   "the most sensitive ones; --min-bits 4 with --q-bits 4 keeps everything >= 4).")
+    p.add_argument("--calibration-file", default=None,
+                   help="mla recipe: a text file like the model's use; per-class sensitivities are "
+                   "measured on this model with it (KL of next-token distributions; needs the float "
+                   "model in memory) instead of the built-in ones measured on a small model.")
+    p.add_argument("--calibration-tokens", type=int, default=2048,
+                   help="Tokens of --calibration-file to use, in windows of 256 (default 2048).")
     p.add_argument("--dtype", default=None,
                    help=f"Float type of unquantized tensors and scales: {', '.join(DTYPES)} "
                    "(default: config.json's torch_dtype).")
@@ -90,6 +106,10 @@ def _run(argv) -> int:
             dequantize=args.dequantize,
             force=args.force,
             max_shard_bytes=writer.parse_size(args.shard_size),
+            bits_per_weight=args.bits_per_weight,
+            calibration_file=args.calibration_file,
+            calibration_tokens=args.calibration_tokens,
+            min_bits=args.min_bits,
         )
         report = convert(opts)
     except ConvertError as e:
@@ -103,6 +123,10 @@ def _run(argv) -> int:
         print(f"error: conversion failed ({type(e).__name__}: {reason}); nothing was written to "
               "--mlx-path", file=sys.stderr)
         return 1
+    for line in report.calibration:
+        print(line)
+    for line in report.notes + report.precisions:
+        print(f"[convert] {line}")
     mb = 1 << 20
     print(
         f"[convert] wrote {report.path} ({len(report.shards)} shard(s)): "

@@ -28,6 +28,7 @@ def write_model_card(
     base_model: str | None,
     repo_id: str | None,
     quantization: str,
+    details: str = "",
 ) -> None:
     """Write `folder/README.md`: Hub metadata (library_name mlx, base_model, tags) and usage.
 
@@ -37,6 +38,7 @@ def write_model_card(
         name: the output folder's name, used in the usage snippet when `repo_id` is None.
         repo_id: where it will be uploaded, used in the usage snippet.
         quantization: a one-line description, e.g. "4-bit (mla recipe), 4.58 bits per weight".
+        details: Markdown appended to the card (the quantization plan and figures).
     """
     data = ModelCardData(
         library_name="mlx",
@@ -66,5 +68,7 @@ import mlx_mla
 model, tokenizer = mlx_mla.load("{name}")
 ```
 """
+    if details:
+        text += "\n" + details
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}")
     card.save(Path(folder) / "README.md")

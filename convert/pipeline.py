@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,7 +13,7 @@ from tqdm import tqdm
 from mlx_mla.config import quantization_of
 from mlx_mla.dtypes import DTYPES
 
-from . import card, layout, recipes, source, writer
+from . import card, layout, plan, recipes, sensitivity, source, writer
 from .errors import ConvertError
 from .upload import upload
 
@@ -51,11 +51,34 @@ class ConvertOptions:
     force: bool = False
     max_shard_bytes: int = writer.MAX_SHARD_BYTES
     progress: bool = True
+    bits_per_weight: float | None = None  # mla budget; None: plan.default_bits_per_weight
+    calibration_file: str | None = None
+    calibration_tokens: int = 2048
+    min_bits: int | None = None  # mla: fewest bits of any module; None: plan.default_min_bits
 
     def check(self) -> None:
         """Raises ConvertError for contradictory or unsupported options."""
         if self.quantize and self.dequantize:
             raise ConvertError("choose either -q/--quantize or -d/--dequantize, not both")
+        name = self.quant_recipe or (recipes.DEFAULT_RECIPE if self.q_mode == "affine" else "uniform")
+        base_bits = self.q_bits or recipes.FIXED_MODES.get(self.q_mode, (4, 64))[0]
+        mla_only = {"--bits-per-weight": self.bits_per_weight is not None,
+                    "--calibration-file": self.calibration_file is not None,
+                    "--min-bits": self.min_bits is not None}
+        for flag, given in mla_only.items():
+            if given and not (self.quantize and name == "mla"):
+                raise ConvertError(f"{flag} applies to -q with the mla recipe (--quant-recipe mla)")
+        if self.bits_per_weight is not None and not self.bits_per_weight > 0:
+            raise ConvertError(f"--bits-per-weight {self.bits_per_weight} must be a positive number")
+        if self.calibration_file is not None and not Path(self.calibration_file).is_file():
+            raise ConvertError(f"--calibration-file {self.calibration_file} is not a file")
+        if self.min_bits is not None and not (self.min_bits in recipes.SUPPORTED_BITS
+                                              and self.min_bits <= base_bits):
+            raise ConvertError(f"--min-bits {self.min_bits}: choose one of "
+                               f"{', '.join(str(b) for b in recipes.SUPPORTED_BITS if b <= base_bits)}"
+                               " (at most --q-bits)")
+        if self.calibration_tokens < 16:
+            raise ConvertError(f"--calibration-tokens {self.calibration_tokens}: give at least 16")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConvertError(f"--dtype {self.dtype} is not supported; choose one of {', '.join(DTYPES)}")
         try:
@@ -94,6 +117,9 @@ class ConvertReport:
     bits_per_weight: float
     quantization: dict | None
     url: str | None = None
+    notes: list = field(default_factory=list)  # one-line remarks on the plan
+    precisions: list = field(default_factory=list)  # one line per precision written
+    calibration: list = field(default_factory=list)  # --calibration-file's table (Markdown rows)
 
 
 def _target_dtype(opts: ConvertOptions, config: dict):
@@ -102,16 +128,55 @@ def _target_dtype(opts: ConvertOptions, config: dict):
     return DTYPES.get(name)
 
 
+def _float_bits(dtype, src):
+    """name -> bits of one float parameter of that output tensor: `dtype`'s, or when None
+    (each tensor keeps its own) the source tensor's."""
+    if dtype is not None:
+        return lambda name: dtype.size * 8
+    sizes = {"F64": 64, "F32": 32, "BF16": 16, "F16": 16}
+    bits = {layout.target_name(n): sizes.get(i.dtype, 16) for s in src.shards for n, i in s.tensors.items()}
+    return lambda name: bits.get(name, 16)
+
+
+def make_plan(opts: ConvertOptions, src, mlx_layout):
+    """The quantization plan for this source: `uniform`, or `mla` solved on its shapes
+    under --bits-per-weight (default: `plan.default_bits_per_weight` for the output's float
+    dtype), with figures measured on --calibration-file when given.
+
+    Returns:
+        (plan.Plan, calibration table lines or []).
+    Raises:
+        ConvertError: an unusable calibration file.
+    """
+    recipe = opts.recipe()
+    base = recipe.base
+    dtype = _target_dtype(opts, src.config)
+    float_bits = _float_bits(dtype, src)
+    if recipe.name == "uniform":
+        return plan.plan_uniform(mlx_layout, base, float_bits), []
+    figures, table = sensitivity.load_prior(), []
+    if opts.calibration_file:
+        from .calibrate import calibrate
+
+        figures, table = calibrate(src, mlx_layout, base, figures, Path(opts.calibration_file),
+                                   opts.calibration_tokens, opts.progress)
+    budget = opts.bits_per_weight
+    if budget is None:
+        budget = plan.default_bits_per_weight(base, dtype.size * 8 if dtype else 16)
+    return plan.plan_mla(mlx_layout, base, budget, figures, float_bits, opts.min_bits), table
+
+
 class _Converter:
     """Turns complete source units into output tensors and records the quantization config."""
 
-    def __init__(self, opts, src, mlx_layout, out):
+    def __init__(self, opts, src, mlx_layout, out, recipe=None):
         self.opts, self.mlx_layout, self.out = opts, mlx_layout, out
-        self.recipe = opts.recipe() if opts.quantize else None
+        self.recipe = recipe
         self.dtype = _target_dtype(opts, src.config)
         self.src_quant = src.config.get("quantization") if src.is_quantized else None
         base = self.recipe.base.as_config() if self.recipe else None
         self.quantization = dict(base) if base else None
+        self.written = {}  # module -> (QuantSpec or None, parameters, input dim)
 
     def _cast(self, a):
         if self.dtype is not None and mx.issubdtype(a.dtype, mx.floating):
@@ -126,6 +191,7 @@ class _Converter:
             self.out.add(name, array)
             return
         spec = self.recipe.spec_for(module, array.shape[-1])
+        self.written[module] = (spec, array.size, array.shape[-1])
         if spec is None:
             self.quantization[module] = False
             self.out.add(name, array)
@@ -209,6 +275,16 @@ def describe(quantization: dict | None, recipe_name: str | None, bpw: float) -> 
     )
 
 
+def _card_details(qplan, precisions: list, table: list) -> str:
+    """The model card's quantization section: the plan, what was written, the figures."""
+    lines = ["## Quantization", ""] + [f"- {n}" for n in qplan.notes()]
+    lines += [f"- {p}" for p in precisions]
+    if table:
+        lines += ["", "Sensitivities measured with `--calibration-file` (KL of next-token "
+                  "distributions, nats per position, only that class quantized):", "", *table]
+    return "\n".join(lines) + "\n"
+
+
 def convert(opts: ConvertOptions) -> ConvertReport:
     """Convert a DeepSeek-V2 checkpoint to an mlx-lm folder at `opts.mlx_path`.
 
@@ -234,9 +310,10 @@ def convert(opts: ConvertOptions) -> ConvertReport:
     mlx_layout = layout.Layout.for_config(src.config)
     layout.check_names(mlx_layout, {n: i for s in src.shards for n, i in s.tensors.items()})
 
+    qplan, table = make_plan(opts, src, mlx_layout) if opts.quantize else (None, [])
     with writer.staged_output(target, opts.force) as tmp:
         out = writer.ShardedWriter(tmp, opts.max_shard_bytes)
-        conv = _Converter(opts, src, mlx_layout, out)
+        conv = _Converter(opts, src, mlx_layout, out, qplan.recipe if qplan else None)
         assembler = layout.Assembler(mlx_layout.n_experts, _quantized_modules(src))
         for shard in src.shards:
             arrays = shard.load()
@@ -259,7 +336,9 @@ def convert(opts: ConvertOptions) -> ConvertReport:
         kept = None if opts.dequantize else src.config.get("quantization")
         summary = describe(quant or kept, conv.recipe.name if quant else "source's",
                            out.bits_per_weight)
-        card.write_model_card(tmp, target.name, src.path, src.hub_id, opts.upload_repo, summary)
+        precisions = plan.precision_lines(conv.written, mlx_layout) if qplan else []
+        details = _card_details(qplan, precisions, table) if qplan else ""
+        card.write_model_card(tmp, target.name, src.path, src.hub_id, opts.upload_repo, summary, details)
 
     report = ConvertReport(
         path=target,
@@ -268,6 +347,9 @@ def convert(opts: ConvertOptions) -> ConvertReport:
         output_bytes=out.total_bytes,
         bits_per_weight=out.bits_per_weight,
         quantization=quant,
+        notes=qplan.notes() if qplan else [],
+        precisions=precisions,
+        calibration=table,
     )
     if opts.upload_repo:
         report.url = upload(target, opts.upload_repo)

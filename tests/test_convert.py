@@ -40,10 +40,9 @@ def test_folder_is_mlx_lm_format(converted):
     q = cfg["quantization"]
     assert cfg["quantization_config"] == q
     assert (q["bits"], q["group_size"], q["mode"]) == (4, 64, "affine")
-    # the mla recipe mixes bits: per-module overrides, kv_b_proj at >= 8 bits
-    kv_b = q["model.layers.0.self_attn.kv_b_proj"]
-    assert kv_b is False or kv_b["bits"] >= 8
+    # the mla recipe mixes bits: per-module overrides, none of them float here
     assert q["model.layers.1.mlp.switch_mlp.down_proj"] == {"group_size": 128, "bits": 4, "mode": "affine"}
+    assert False not in q.values()
     _, meta = mx.load(str(converted / "model.safetensors"), return_metadata=True)
     assert meta == {"format": "mlx"}
     tensors = load_tensors(converted)
@@ -58,25 +57,20 @@ def test_folder_is_mlx_lm_format(converted):
     assert "library_name: mlx" in card and "- mlx" in card
 
 
-def test_mla_layer_units_and_budget(converted):
-    """A "class@layer" entry wins over its class for that layer only; the fixture's mla
-    folder stays within the 4.6 bits per weight the recipe was chosen under."""
-    from convert import recipes
+def test_mla_folder_is_the_plan_within_budget(converted):
+    """Every module's entry is what convert.plan solves on the fixture's shapes, and the
+    folder's bits per weight is the plan's, within the default 4.6."""
+    from convert import layout, plan, sensitivity
+    from convert.recipes import QuantSpec
 
-    r = recipes.make_recipe("mla", 4, 64)
-    assert r.spec_for("model.layers.0.self_attn.o_proj", 256) == recipes.QuantSpec(5, 128)
-    assert r.spec_for("model.layers.2.self_attn.o_proj", 256) == recipes.QuantSpec(4, 128)
-    assert r.spec_for("model.layers.0.self_attn.q_proj", 256) == recipes.QuantSpec(4, 128)
-    assert r.spec_for("model.layers.3.self_attn.q_proj", 256) == recipes.QuantSpec(5, 128)
-    # moved to another base, a layer entry keeps its offset and kv_b_proj stays >= 8 bits
-    r3 = recipes.make_recipe("mla", 3, 64)
-    assert r3.spec_for("model.layers.0.self_attn.q_proj", 256).bits == 3
-    assert r3.spec_for("model.layers.0.self_attn.kv_b_proj", 64).bits == 8
-    q = config(converted)["quantization"]
-    assert q["model.layers.0.self_attn.o_proj"] == {"group_size": 128, "bits": 5, "mode": "affine"}
-    assert q["model.layers.2.self_attn.o_proj"] == {"group_size": 128, "bits": 4, "mode": "affine"}
+    cfg = config(converted)
+    p = plan.plan_mla(layout.Layout.for_config(cfg), QuantSpec(4, 64), 4.6, sensitivity.load_prior())
+    q = cfg["quantization"]
+    modules = {k: v for k, v in q.items() if k not in ("group_size", "bits", "mode")}
+    assert modules == {m: s.as_config() for m, s in p.recipe.overrides.items()}
     meta = json.loads((converted / "model.safetensors.index.json").read_text())["metadata"]
-    assert meta["total_size"] * 8 / meta["total_parameters"] <= 4.6
+    assert meta["total_size"] * 8 / meta["total_parameters"] == pytest.approx(p.planned_bpw, abs=1e-12)
+    assert p.planned_bpw <= 4.6
 
 
 def test_stock_mlx_lm_and_mlx_mla_agree(converted):
@@ -168,10 +162,12 @@ def test_bits_and_group_sizes_round_trip(tmp_path, bits, group, fixture_dir):
     ref = mx.quantize(w, group_size=group, bits=bits)
     got = [dst[f"model.layers.0.self_attn.o_proj.{p}"] for p in ("weight", "scales", "biases")]
     assert all(mx.array_equal(r, g).item() for r, g in zip(ref, got))
-    # kv_b_proj's input dim (64) is not a multiple of 128: it must stay float then
+    # kv_b_proj's input dim (64) is not a multiple of 128: it falls back to group 64
     if 64 % group:
-        assert "model.layers.0.self_attn.kv_b_proj.scales" not in dst
-        assert q["model.layers.0.self_attn.kv_b_proj"] is False
+        assert q["model.layers.0.self_attn.kv_b_proj"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+        kv_b = src["model.layers.0.self_attn.kv_b_proj.weight"]
+        assert mx.array_equal(dst["model.layers.0.self_attn.kv_b_proj.scales"],
+                              mx.quantize(kv_b, group_size=64, bits=bits)[1]).item()
     expected_bpw = bits + 32 / group
     assert expected_bpw < report.bits_per_weight < expected_bpw + 0.5
     model, _ = mlx_lm.load(str(out))  # loads with the right shapes

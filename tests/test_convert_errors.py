@@ -71,9 +71,24 @@ def test_unsupported_model_type(tmp_path, capsys, model_type, fixture_dir):
     ("--q-group-size", "48", "--q-group-size 48 is not supported"),
     ("--quant-recipe", "fancy", "--quant-recipe fancy"),
     ("--dtype", "int8", "--dtype int8"),
+    ("--bits-per-weight", "0", "--bits-per-weight 0.0 must be a positive number"),
+    ("--calibration-file", "no-such-file.txt", "--calibration-file no-such-file.txt is not a file"),
+    ("--min-bits", "5", "--min-bits 5: choose one of 2, 3, 4 (at most --q-bits)"),
 ])
 def test_unsupported_options(tmp_path, capsys, flag, value, match, fixture_dir):
     _expect_error(capsys, tmp_path, fixture_dir, "-q", flag, value, match=match)
+
+
+def test_mla_options_need_the_mla_recipe(tmp_path, capsys, fixture_dir):
+    _expect_error(capsys, tmp_path, fixture_dir, "-q", "--quant-recipe", "uniform", "--bits-per-weight", "5",
+                  match="--bits-per-weight applies to -q with the mla recipe")
+
+
+def test_calibration_text_too_short(tmp_path, capsys, fixture_dir):
+    text = tmp_path / "short.txt"
+    text.write_text("To be")
+    _expect_error(capsys, tmp_path, fixture_dir, "-q", "--calibration-file", text,
+                  match="short.txt has 3 tokens")
 
 
 @pytest.mark.parametrize("extra, match", [
