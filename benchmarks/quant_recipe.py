@@ -440,12 +440,13 @@ def plot(rows, table, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--model", choices=("fixture", "code"), default="fixture")
     ap.add_argument("--max-windows", type=int, default=None, help="limit the evaluation text (quick runs)")
     ap.add_argument("--sweep-windows", type=int, default=24,
                     help="windows for the per-class and per-band sweeps (the folders use all)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder for the results (default: benchmarks/results)")
     ap.add_argument("--corpus", type=Path, default=SHARED_CORPUS,
                     help="fixture: held-out text (default: ../shared/corpus/shakespeare-heldout.txt)")
     ap.add_argument("--steps", default="1,2,3,4",

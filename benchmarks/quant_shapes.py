@@ -62,8 +62,9 @@ def shape_rows(prior) -> tuple:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--out", type=Path, default=RESULTS,
+                    help="folder for the results (default: benchmarks/results)")
     args = ap.parse_args()
     rows, class_rows = shape_rows(sensitivity.load_prior())
     write_csv(rows, args.out / "quant_shapes.csv")

@@ -204,11 +204,12 @@ def ensure_checkpoint() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--out", type=Path, default=MODEL_DIR)
+    ap.add_argument("--out", type=Path, default=MODEL_DIR,
+                    help="folder to write the checkpoint to (default: benchmarks/checkpoints/tiny-dsv2-coder-python, git-ignored)")
     args = ap.parse_args()
     meta = train(args.out, args.steps, args.batch, args.lr)
     meta["machine"] = machine_info()

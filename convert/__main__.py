@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mla recipe: a text file like the model's use; per-class sensitivities are "
                    "measured on this model with it (KL of next-token distributions; needs the float "
                    "model in memory) instead of the built-in ones measured on a small model.")
-    p.add_argument("--calibration-tokens", type=int, default=2048,
-                   help="Tokens of --calibration-file to use, in windows of 256 (default 2048).")
+    p.add_argument("--calibration-tokens", type=int, default=None,
+                   help="With --calibration-file: tokens of it to use, in whole windows of 256 "
+                   "when longer than one (default 2048, or the whole file when shorter).")
     p.add_argument("--dtype", default=None,
                    help=f"Float type of unquantized tensors and scales: {', '.join(DTYPES)} "
                    "(default: config.json's torch_dtype).")

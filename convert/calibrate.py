@@ -46,8 +46,8 @@ def read_tokens(tokenizer_dir: Path, text_file: Path, max_tokens: int) -> mx.arr
         raise ConvertError(f"--calibration-file {text_file}: cannot read it as UTF-8 text ({e})") from e
     ids = load_tokenizer(Path(tokenizer_dir)).encode(text)[:max_tokens]
     if len(ids) < 16:
-        raise ConvertError(f"--calibration-file {text_file} has {len(ids)} tokens; give at least a "
-                           "few hundred tokens of text like the model's use")
+        raise ConvertError(f"--calibration-file {text_file} has {len(ids)} tokens; give at least 16 "
+                           "(a few hundred tokens of text like the model's use give steadier figures)")
     length = min(WINDOW, len(ids))
     n = len(ids) // length
     return mx.array(ids[: n * length]).reshape(n, length)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -53,7 +55,7 @@ class ConvertOptions:
     progress: bool = True
     bits_per_weight: float | None = None  # mla budget; None: plan.default_bits_per_weight
     calibration_file: str | None = None
-    calibration_tokens: int = 2048
+    calibration_tokens: int | None = None  # None: 2048
     min_bits: int | None = None  # mla: fewest bits of any module; None: plan.default_min_bits
 
     def check(self) -> None:
@@ -68,7 +70,9 @@ class ConvertOptions:
         for flag, given in mla_only.items():
             if given and not (self.quantize and name == "mla"):
                 raise ConvertError(f"{flag} applies to -q with the mla recipe (--quant-recipe mla)")
-        if self.bits_per_weight is not None and not self.bits_per_weight > 0:
+        if self.calibration_tokens is not None and self.calibration_file is None:
+            raise ConvertError("--calibration-tokens applies with --calibration-file")
+        if self.bits_per_weight is not None and not 0 < self.bits_per_weight < math.inf:
             raise ConvertError(f"--bits-per-weight {self.bits_per_weight} must be a positive number")
         if self.calibration_file is not None and not Path(self.calibration_file).is_file():
             raise ConvertError(f"--calibration-file {self.calibration_file} is not a file")
@@ -77,7 +81,7 @@ class ConvertOptions:
             raise ConvertError(f"--min-bits {self.min_bits}: choose one of "
                                f"{', '.join(str(b) for b in recipes.SUPPORTED_BITS if b <= base_bits)}"
                                " (at most --q-bits)")
-        if self.calibration_tokens < 16:
+        if self.calibration_tokens is not None and self.calibration_tokens < 16:
             raise ConvertError(f"--calibration-tokens {self.calibration_tokens}: give at least 16")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConvertError(f"--dtype {self.dtype} is not supported; choose one of {', '.join(DTYPES)}")
@@ -159,7 +163,7 @@ def make_plan(opts: ConvertOptions, src, mlx_layout):
         from .calibrate import calibrate
 
         figures, table = calibrate(src, mlx_layout, base, figures, Path(opts.calibration_file),
-                                   opts.calibration_tokens, opts.progress)
+                                   opts.calibration_tokens or 2048, opts.progress)
     budget = opts.bits_per_weight
     if budget is None:
         budget = plan.default_bits_per_weight(base, dtype.size * 8 if dtype else 16)
@@ -266,9 +270,14 @@ def _copy_side_files(src_dir: Path, dst: Path) -> None:
 
 
 def describe(quantization: dict | None, recipe_name: str | None, bpw: float) -> str:
-    """One line for the model card and the summary, e.g. '4-bit, group 64 (mla recipe)'."""
+    """One line for the model card and the summary, e.g. '4-bit affine, group 64 (uniform
+    recipe), 4.52 bits per weight'; for the `mla` recipe the modules' own precisions are in
+    the card's Quantization section, so the line names none."""
     if not quantization:
         return f"unquantized, {bpw:.2f} bits per weight"
+    if recipe_name == "mla":
+        return (f"mla recipe, each module its own bits and group (see Quantization below), "
+                f"{bpw:.2f} bits per weight")
     return (
         f"{quantization['bits']}-bit {quantization.get('mode', 'affine')}, group "
         f"{quantization['group_size']} ({recipe_name} recipe), {bpw:.2f} bits per weight"

@@ -163,6 +163,8 @@ class Plan:
         predicted_kl: summed estimated KL of the choice (None for `uniform`).
         sensitivity: the figures used (None for `uniform`).
         units: {unit name: QuantSpec or None}.
+        ceiling_bpw: the most the options allow: every module at 8 bits, finest group
+            (None for `uniform`).
     """
 
     recipe: Recipe
@@ -172,6 +174,7 @@ class Plan:
     predicted_kl: float | None = None
     sensitivity: Sensitivity | None = None
     units: dict = field(default_factory=dict)
+    ceiling_bpw: float | None = None
 
     def notes(self) -> list:
         """One-line remarks for the user (the floor above the budget, the figures used)."""
@@ -181,6 +184,11 @@ class Plan:
                 f"--bits-per-weight {self.budget_bpw:g} is below this model's floor of "
                 f"{self.floor_bpw:.3f} (every module at --min-bits with the largest group that "
                 f"divides it, the rest float); using the floor")
+        if self.ceiling_bpw is not None and self.budget_bpw > self.ceiling_bpw + 1e-9:
+            out.append(
+                f"--bits-per-weight {self.budget_bpw:g} is more than this model can take "
+                f"({self.ceiling_bpw:.3f} with every module at 8 bits and its finest group); "
+                f"planned {self.planned_bpw:.3f}")
         if self.sensitivity is not None:
             out.append(f"mla recipe: {self.planned_bpw:.3f} bits per weight planned "
                        f"(budget {self.budget_bpw:g}); sensitivities: {self.sensitivity.source}")
@@ -244,6 +252,7 @@ def plan_mla(lay, base: QuantSpec, budget_bpw: float, sens: Sensitivity,
     params += sum(units[k].params for k in keys)
     costs = [[(c, k) for _, c, k in opts] for opts in choices]
     floor_bits = rest_bits + sum(min(c for c, _ in opts) for opts in costs)
+    ceiling_bits = rest_bits + sum(max(c for c, _ in opts) for opts in costs)
     picks = solve(costs, budget_bpw * params - rest_bits)
     if picks is None:  # the floor: cheapest, then least KL among equally cheap
         picks = [min(range(len(opts)), key=lambda j: (opts[j][0], opts[j][1])) for opts in costs]
@@ -253,7 +262,7 @@ def plan_mla(lay, base: QuantSpec, budget_bpw: float, sens: Sensitivity,
     overrides = {m: specs[k] for k, u in units.items() for m, _ in u.modules if specs[k] != base}
     return Plan(
         Recipe("mla", base, overrides), bits / params, budget_bpw, floor_bits / params,
-        sum(choices[i][j][2] for i, j in enumerate(picks)), sens, specs,
+        sum(choices[i][j][2] for i, j in enumerate(picks)), sens, specs, ceiling_bits / params,
     )
 
 

@@ -84,6 +84,15 @@ def test_mla_options_need_the_mla_recipe(tmp_path, capsys, fixture_dir):
                   match="--bits-per-weight applies to -q with the mla recipe")
 
 
+@pytest.mark.parametrize("extra, match", [
+    (["--bits-per-weight", "inf"], "--bits-per-weight inf must be a positive number"),
+    (["--bits-per-weight", "nan"], "--bits-per-weight nan must be a positive number"),
+    (["--calibration-tokens", "512"], "--calibration-tokens applies with --calibration-file"),
+])
+def test_bad_mla_values(tmp_path, capsys, fixture_dir, extra, match):
+    _expect_error(capsys, tmp_path, fixture_dir, "-q", *extra, match=match)
+
+
 def test_calibration_text_too_short(tmp_path, capsys, fixture_dir):
     text = tmp_path / "short.txt"
     text.write_text("To be")

@@ -111,6 +111,23 @@ def test_floor_above_the_budget_is_said_and_used():
     _check_plan(lay, QuantSpec(4, 64), 3.0, p)
 
 
+def test_budget_above_the_ceiling_is_said():
+    """Every module at 8 bits with its finest group is the most the options allow; a larger
+    budget plans exactly that and says so."""
+    lay = _layout({})
+    p = plan.plan_mla(lay, QuantSpec(4, 64), 20.0, sensitivity.load_prior())
+    units, rest = plan.units_of(lay)
+    most = sum(plan.spec_bits(n, max((s for s in plan.unit_options(u, 8)), key=lambda s: -s.group_size))
+               for u in units.values() for _, n in u.modules)
+    most += 16 * sum(rest.values())
+    params = sum(u.params for u in units.values()) + sum(rest.values())
+    assert p.ceiling_bpw == pytest.approx(most / params, rel=1e-12)
+    assert p.planned_bpw <= p.ceiling_bpw + 1e-12
+    assert any(n.startswith("--bits-per-weight 20 is more than this model can take") for n in p.notes())
+    assert not any("more than this model" in n for n in plan.plan_mla(lay, QuantSpec(4, 64), 4.6,
+                                                                      sensitivity.load_prior()).notes())
+
+
 def test_default_budget_scales_with_the_base():
     assert plan.default_bits_per_weight(QuantSpec(4, 64)) == 4.6
     assert plan.default_bits_per_weight(QuantSpec(3, 64)) == 3.6
