@@ -68,8 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _on_sigterm(signum, frame):
-    # Turn SIGTERM into an exception so the staged output folder is cleaned up.
+_interrupted = []
+
+
+def _on_signal(signum, frame):
+    # Turn SIGINT/SIGTERM into an exception so the staged output folder is cleaned up, and
+    # remember it: an import on mlx-lm's chain (transformers, torch) may swallow the
+    # exception while it runs, and the import then completes as if nothing happened.
+    _interrupted.append(signum)
     raise KeyboardInterrupt
 
 
@@ -85,11 +91,15 @@ def main(argv=None) -> int:
 
 
 def _run(argv) -> int:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
     import mlx_mla  # noqa: F401 - first: without an MLX backend this is one error line
 
     from . import writer
     from .pipeline import ConvertOptions, convert
+
+    if _interrupted:
+        raise KeyboardInterrupt
 
     args = build_parser().parse_args(argv)
 
