@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import mlx.core as mx
 
 from convert import ConvertOptions, convert
 from mlx_mla import DEMO_MODEL

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from convert import layout, plan, sensitivity
-from convert.recipes import TENSOR_CLASSES, QuantSpec, Recipe
+from convert.recipes import TENSOR_CLASSES, QuantSpec
 
 from .common import MODEL_CONFIGS, RESULTS, write_csv
 

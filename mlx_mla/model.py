@@ -18,6 +18,7 @@ from .attention import MLAttention, make_strategy
 from .cache import LatentCache, RotatingLatentCache
 from .config import ModelArgs
 from .moe import MLP, MoE
+from .sharding import rank_weights, shard_model
 from . import weights as _weights
 
 
@@ -185,14 +186,12 @@ class Model(nn.Module):
     def shard(self, group: Optional[mx.distributed.Group] = None) -> None:
         """Tensor parallel over ``group`` (default: the global group): attention split by
         heads, MLPs and experts by their intermediate dimension, as mlx-lm's
-        ``deepseek_v2.Model.shard``; see ``mlx_mla.distributed.shard_model``.
+        ``deepseek_v2.Model.shard``; see ``mlx_mla.sharding.shard_model``.
 
         Raises:
             ModelLoadError (a ValueError): the group size cannot split the heads, the MLP
                 widths or their quantization groups.
         """
-        from .distributed import shard_model
-
         shard_model(self, group or mx.distributed.init())
 
     def sanitize(self, weights):
@@ -200,8 +199,6 @@ class Model(nn.Module):
         pipelined, only those of the layers this rank holds (its files also carry some of
         their neighbours')."""
         if self.model.pipeline_size > 1:
-            from .distributed import rank_weights
-
             weights = rank_weights(weights, self.model.start_idx, self.model.end_idx)
         return _weights.sanitize(weights, self.args)
 

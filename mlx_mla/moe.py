@@ -80,7 +80,7 @@ class MoEGate(nn.Module):
 class MoE(nn.Module):
     """Routed experts (weighted by the gate) plus shared experts. (B, L, hidden) → same.
 
-    Tensor parallel (``mlx_mla.distributed.shard_model``, as mlx-lm's ``deepseek_v2``):
+    Tensor parallel (``mlx_mla.sharding.shard_model``, as mlx-lm's ``deepseek_v2``):
     every expert's intermediate dimension is split over ``sharding_group``, each rank adds
     up its part of every expert's output, and one all-sum completes them.
     """
