@@ -37,7 +37,7 @@ def write_model_card(
             base_model field must be a Hub id).
         name: the output folder's name, used in the usage snippet when `repo_id` is None.
         repo_id: where it will be uploaded, used in the usage snippet.
-        quantization: a one-line description, e.g. "4-bit (mla recipe), 4.58 bits per weight".
+        quantization: a one-line description, e.g. "4-bit affine, group 64 (uniform recipe), 4.52 bits per weight".
         details: Markdown appended to the card (the quantization plan and figures).
     """
     data = ModelCardData(
