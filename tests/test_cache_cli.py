@@ -9,8 +9,7 @@ from mlx_lm.models.cache import KVCache, save_prompt_cache
 from mlx_mla.cache_prompt import main as cache_prompt
 from mlx_mla.generate import main as generate
 
-# the demo model's known greedy continuation of "ROMEO:" (shared/fixtures/README.md)
-KNOWN = "\nO, I am in brief with a tale language.\n\nBENVOLIO:\nO, I am cried."
+from testdata import KNOWN_ROMEO as KNOWN
 
 
 def run(capsys, fn, *argv):

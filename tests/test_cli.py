@@ -10,10 +10,8 @@ import pytest
 
 import mlx_mla
 from mlx_mla.generate import main
+from testdata import KNOWN_ROMEO as KNOWN
 from testdata import corrupt_offsets, writable_copy
-
-# The fixture's known float32 greedy continuation of "ROMEO:" (shared/fixtures/README.md).
-KNOWN = "\nO, I am in brief with a tale language.\n\nBENVOLIO:\nO, I am cried.\n\nMERCUTIO:"
 
 
 def test_main_command_prints_known_continuation_and_stats():

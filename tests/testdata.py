@@ -1,4 +1,4 @@
-"""What the tests read, all inside the repository (a clone has no ../shared/).
+"""What the tests read, all inside the repository (a clone has nothing beside it).
 
 - The demo checkpoint shipped in the package (``mlx_mla.DEMO_MODEL``): the shared fixture
   tiny-dsv2-lite-shakespeare, byte for byte, without its chat template.
@@ -21,6 +21,11 @@ CHAT_TEMPLATE = DATA / "chat_template.jinja"
 CORPUS = DATA / "shakespeare-heldout-excerpt.txt"
 # "ROMEO:" plus a few ids: enough positions to exercise attention and the MoE routing.
 TOKENS = [0, 836, 27, 10, 79, 11, 300, 45, 1200, 7, 99, 512]
+# The demo checkpoint's float32 greedy continuation of "ROMEO:" (ids [0, 836, 27]), as the
+# fixture's data sheet records it for transformers and mlx-lm alike
+# (test_model.test_greedy_64_tokens_identical_to_transformers checks our greedy tokens
+# against transformers' generate on the same weights).
+KNOWN_ROMEO = "\nO, I am in brief with a tale language.\n\nBENVOLIO:\nO, I am cried.\n\nMERCUTIO:"
 
 
 def make_hub_fixture(dst: Path, read_only: bool = True) -> Path:
