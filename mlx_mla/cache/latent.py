@@ -144,7 +144,8 @@ class _Latent:
             )
         (store,) = self.stores
         if store.keys is None:
-            return type(self)._wrap([copy.copy(store) for _ in range(3)], Codec(group_size, bits))
+            codec = Codec(group_size, bits)
+            return type(self)._wrap([copy.copy(store) for _ in range(codec.n_pairs)], codec)
         codec = quantized_codec(group_size, bits, store.keys.shape[-1])
         pairs = codec.encode(store.keys[:, 0], store.values[:, 0])
         stores = []
