@@ -70,7 +70,9 @@ def latent_attention(
     """Attention of absorbed queries straight over the latent cache.
 
     scores[h, i, j] = scale · (q_latent[h, i] · c_kv[j] + q_pe[h, i] · k_pe[j]), a softmax
-    over j, then o_latent[h, i] = Σ_j p[h, i, j] c_kv[j]. The two score terms are separate
+    over j, then o_latent[h, i] = Σ_j p[h, i, j] c_kv[j]: MLA's attention with decoupled RoPE,
+    W_UK absorbed into the query and W_UV left for the caller to apply to o_latent
+    (DeepSeek-V2 paper, sections 2.1.2 and 2.1.3). The two score terms are separate
     matmuls summed, so no concatenated [c_kv; k_pe] copy is made. All heads share one
     c_kv / k_pe (it is multi-query attention in the latent space), so the H·L query rows
     fold into a single GEMM per batch element instead of H broadcast ones; the scale is
