@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, save_prompt_cache
 
+from mlx_mla import DEMO_MODEL
 from mlx_mla.cache_prompt import main as cache_prompt
 from mlx_mla.generate import main as generate
 
@@ -75,10 +77,8 @@ def test_generate_refuses_a_cache_file_for_another_model(capsys, tmp_path):
     f = tmp_path / "mlx-lm.safetensors"
     caches = [KVCache() for _ in range(4)]
     for c in caches:
-        import mlx.core as mx
-
         c.update_and_fetch(mx.zeros((1, 8, 3, 48)), mx.zeros((1, 8, 3, 32)))
     save_prompt_cache(str(f), caches, {"model": "elsewhere"})
-    rc, _, err = run(capsys, generate, "--model", __import__("mlx_mla").DEMO_MODEL,
+    rc, _, err = run(capsys, generate, "--model", DEMO_MODEL,
                      "--prompt-cache-file", f, "--max-tokens", "2")
     assert rc == 1 and len(err) == 1 and "made for another kind of model" in err[0], err
