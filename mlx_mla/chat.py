@@ -21,7 +21,7 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .cache import cache_bytes_per_token
 from .checkpoint import ModelLoadError
-from .cli import quiet_on_broken_pipe, sampling_error
+from .cli import fail, quiet_on_broken_pipe, sampling_error
 from .dtypes import DTYPES
 from .generate import encode_prompt
 from .loader import load
@@ -228,11 +228,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 continue
             ui.end_turn(last)
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .cache import quantized_codec
 from .checkpoint import ModelLoadError
-from .cli import sampling_error
+from .cli import fail, sampling_error
 from .dtypes import DTYPES
 from .distributed import load_sharded
 from .generate import add_cache_arguments
@@ -401,11 +401,6 @@ def bind_warning(host: str) -> Optional[str]:
         return None
     return (f"warning: listening on {host}: anyone who can reach this address can use the "
             "model (mlx-lm's server has only basic security checks)")
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
