@@ -7,8 +7,8 @@ mlx-lm's own pieces: its flags (``mlx_lm.chat.setup_arg_parser``: --model, --tem
 in one latent cache: each turn sends only its new tokens (what the chat template adds for one
 more user message, ``next_turn``), so the system prompt and earlier turns are never re-encoded
 (mlx_lm.chat renders the system prompt and BOS again every turn). With --max-kv-size the cache rotates
-(the first 4 tokens kept); without it a turn that would pass the model's context is refused
-with one line and the chat goes on (r starts over).
+(the first 4 tokens kept). Positions keep counting either way: a turn that would pass the
+model's context is refused with one line and the chat goes on (r starts over).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ class Conversation:
         left; ``generate_kwargs`` go to ``mlx_lm.stream_generate`` (sampler, …).
 
         Raises:
-            ContextFull: no room left in the context (without --max-kv-size).
+            ContextFull: no room left in the model's context (a rotating cache's positions
+                count every token too).
         """
         from mlx_lm import stream_generate
 
