@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = helps[action.dest]
     p.add_argument("--mla-strategy", default="auto",
                    help=f"MLA strategy: {', '.join(STRATEGIES)} (default: auto)")
-    p.add_argument("--dtype", default=None, help=f"activation dtype: {', '.join(DTYPES)}")
+    p.add_argument("--dtype", default=None,
+                   help=f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, "
+                        "the checkpoint's on a GPU)")
     return p
 
 
