@@ -7,8 +7,8 @@ mlx-lm's own pieces: its flags (``mlx_lm.chat.setup_arg_parser``: --model, --tem
 in one latent cache: each turn sends only its new tokens (what the chat template adds for one
 more user message, ``next_turn``), so the system prompt and earlier turns are never re-encoded
 (mlx_lm.chat renders the system prompt and BOS again every turn). With --max-kv-size the cache rotates
-(the first 4 tokens kept); without it a turn that would pass the model's context is refused
-with one line and the chat goes on (r starts over).
+(the first 4 tokens kept). Positions keep counting either way: a turn that would pass the
+model's context is refused with one line and the chat goes on (r starts over).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .cache import cache_bytes_per_token
 from .checkpoint import ModelLoadError
-from .cli import quiet_on_broken_pipe, sampling_error
+from .cli import fail, quiet_on_broken_pipe, sampling_error
 from .dtypes import DTYPES
 from .generate import encode_prompt
 from .loader import load
@@ -72,7 +72,8 @@ class Conversation:
         left; ``generate_kwargs`` go to ``mlx_lm.stream_generate`` (sampler, …).
 
         Raises:
-            ContextFull: no room left in the context (without --max-kv-size).
+            ContextFull: no room left in the model's context (a rotating cache's positions
+                count every token too).
         """
         from mlx_lm import stream_generate
 
@@ -137,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
             action.help = helps[action.dest]
     p.add_argument("--mla-strategy", default="auto",
                    help=f"MLA strategy: {', '.join(STRATEGIES)} (default: auto)")
-    p.add_argument("--dtype", default=None, help=f"activation dtype: {', '.join(DTYPES)}")
+    p.add_argument("--dtype", default=None,
+                   help=f"activation dtype: {', '.join(DTYPES)} (default: float32 on CPU, "
+                        "the checkpoint's on a GPU)")
     return p
 
 
@@ -228,11 +231,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"error: {e}", file=sys.stderr)
                 continue
             ui.end_turn(last)
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""What the commands (``generate``, ``compare``) share: argument checks made before any
-model is loaded, and a quiet exit when the reader of their output goes away."""
+"""What the commands (``generate``, ``compare``, ``chat``, ``server``) share: argument checks
+made before any model is loaded, their one-line error exit, and a quiet exit when the reader
+of their output goes away."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def context_error(prompt_tokens: int, max_tokens: int, limit: int) -> Optional[s
     return None
 
 
+def fail(message: str) -> int:
+    """Print ``error: MESSAGE`` (one line) on stderr; returns 1, the exit status."""
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
 # The exit status of a process ended by SIGPIPE in a shell (128 + 13), as `yes | head` gives.
 BROKEN_PIPE_STATUS = 141
 
@@ -79,5 +86,5 @@ def quiet_on_broken_pipe(main: Callable[..., int]) -> Callable[..., int]:
     return wrapper
 
 
-__all__ = ["str2bool", "sampling_error", "context_error", "quiet_on_broken_pipe",
+__all__ = ["str2bool", "sampling_error", "context_error", "fail", "quiet_on_broken_pipe",
            "BROKEN_PIPE_STATUS"]

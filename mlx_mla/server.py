@@ -42,7 +42,6 @@ from typing import List, Optional, Sequence
 from urllib.parse import unquote
 
 import mlx.core as mx
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
 from mlx_lm.models.cache import LRUPromptCache
 from mlx_lm.server import APIHandler, ModelProvider, ResponseGenerator, get_system_fingerprint
 from mlx_lm.utils import _parse_size
@@ -51,9 +50,10 @@ from . import DEMO_MODEL
 from .attention import STRATEGIES
 from .cache import quantized_codec
 from .checkpoint import ModelLoadError
-from .cli import sampling_error
+from .cli import fail, sampling_error
 from .dtypes import DTYPES
 from .distributed import load_sharded
+from .generate import add_cache_arguments
 from .loader import load
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -308,19 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most latent caches kept for prompt reuse (10)")
     p.add_argument("--prompt-cache-bytes", type=_parse_size,
                    help="most bytes of latent caches kept for prompt reuse (e.g. 2GB)")
-    p.add_argument("--max-kv-size", type=int, default=None,
-                   help="bound every sequence's latent cache to this many tokens (older ones "
-                        "rotate out, as in mlx-lm's rotating caches); longer prompts are "
-                        "refused (400)")
-    p.add_argument("--kv-bits", type=int, default=None,
-                   help="store c_kv quantized to this many bits (2, 3, 4, 5, 6 or 8; 4 and 8 "
-                        "measured); as in mlx-lm this serves "
-                        "requests one at a time (no batching)")
-    p.add_argument("--kv-group-size", type=int, default=64,
-                   help="values per scale of the quantized c_kv (64)")
-    p.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
-                   help=f"with --kv-bits, quantize from this many tokens on "
-                        f"({DEFAULT_QUANTIZED_KV_START})")
+    add_cache_arguments(p)  # generate's cache flags; the server's help adds what serving does
+    serving = {"max_kv_size": "; here every sequence's, and longer prompts are refused (400)",
+               "kv_bits": "; as in mlx-lm, this serves requests one at a time (no batching)"}
+    for action in p._actions:
+        if action.dest in serving:
+            action.help += serving[action.dest]
     p.add_argument("--pipeline", action="store_true",
                    help="under mlx.launch, split the model's layers over the ranks (pipeline "
                         "parallel); without it, ranks split every layer (tensor parallel), "
@@ -408,11 +401,6 @@ def bind_warning(host: str) -> Optional[str]:
         return None
     return (f"warning: listening on {host}: anyone who can reach this address can use the "
             "model (mlx-lm's server has only basic security checks)")
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
