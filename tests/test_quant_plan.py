@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.common import MODEL_CONFIGS, V2_LITE
 from convert import layout, plan, sensitivity
-from convert.recipes import SUPPORTED_GROUP_SIZES, QuantSpec, fit_group, make_recipe
+from convert.recipes import FIXED_MODES, SUPPORTED_GROUP_SIZES, QuantSpec, fit_group, make_recipe
 
 SMALL = {**V2_LITE, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 640,
          "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -92,6 +92,20 @@ def test_written_bits_formula_matches_mx_quantize():
     for spec in (QuantSpec(3, 32), QuantSpec(4, 64), QuantSpec(5, 64), QuantSpec(6, 32), QuantSpec(8, 64)):
         q = mx.quantize(w, group_size=spec.group_size, bits=spec.bits)
         assert sum(a.nbytes for a in q) * 8 == plan.spec_bits(w.size, spec, 16), spec
+
+
+@pytest.mark.parametrize("mode", list(FIXED_MODES))
+def test_written_bits_formula_matches_mx_quantize_fp_modes(mode):
+    """The floating-point modes: packed weight and one 8-bit scale per group, no bias."""
+    import mlx.core as mx
+
+    bits, group = FIXED_MODES[mode]
+    w = mx.zeros((96, 192), mx.bfloat16)
+    try:
+        q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+    except (ValueError, RuntimeError):
+        pytest.skip(f"this MLX cannot quantize with mode {mode}")
+    assert sum(a.nbytes for a in q) * 8 == plan.spec_bits(w.size, QuantSpec(bits, group, mode), 16)
 
 
 def test_group_size_fallback():
