@@ -185,6 +185,7 @@ def test_prior_covers_every_class_and_option():
             ks = [curve[QuantSpec(b, g)] for b in SUPPORTED_BITS]
             assert all(k > 0 for k in ks), cls
             assert ks[0] > 10 * ks[-1], (cls, g)  # 2-bit vs 8-bit
+            assert all(more <= fewer for fewer, more in zip(ks, ks[1:])), (cls, g)
 
 
 def test_fill_groups_estimates_a_missing_group_from_the_others():
