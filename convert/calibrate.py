@@ -21,7 +21,6 @@ from pathlib import Path
 import mlx.core as mx
 from tqdm import tqdm
 
-from . import layout
 from .errors import ConvertError
 from .plan import model_layers, units_of
 from .recipes import QuantSpec, fit_group, layer_of
@@ -54,18 +53,13 @@ def read_tokens(tokenizer_dir: Path, text_file: Path, max_tokens: int) -> mx.arr
 
 
 def load_float_model(src, dtype: mx.Dtype):
-    """mlx-lm's deepseek_v2 Model holding the source's float weights cast to `dtype`."""
-    from mlx_lm.models import deepseek_v2
+    """mlx-lm's deepseek_v2 Model holding the source's float weights cast to `dtype`
+    (`mlx_lm.utils.load_model`, lazily, so the cast happens as each tensor is read; its
+    `sanitize` stacks the routed experts)."""
+    from mlx_lm.utils import load_model
 
-    model = deepseek_v2.Model(deepseek_v2.ModelArgs.from_dict(src.config))
-    asm = layout.Assembler(src.config.get("n_routed_experts") or 0)
-    weights = {}
-    for shard in src.shards:
-        arrays = shard.load()
-        for name in list(arrays):
-            for _, key, value in asm.feed(name, arrays.pop(name)):
-                weights[key] = value.astype(dtype) if mx.issubdtype(value.dtype, mx.floating) else value
-    model.load_weights(list(weights.items()))
+    model, _ = load_model(Path(src.path), lazy=True)
+    model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
 

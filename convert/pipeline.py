@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -62,7 +61,7 @@ class ConvertOptions:
         """Raises ConvertError for contradictory or unsupported options."""
         if self.quantize and self.dequantize:
             raise ConvertError("choose either -q/--quantize or -d/--dequantize, not both")
-        name = self.quant_recipe or (recipes.DEFAULT_RECIPE if self.q_mode == "affine" else "uniform")
+        name = self._recipe_name()
         base_bits = self.q_bits or recipes.FIXED_MODES.get(self.q_mode, (4, 64))[0]
         mla_only = {"--bits-per-weight": self.bits_per_weight is not None,
                     "--calibration-file": self.calibration_file is not None,
@@ -97,6 +96,10 @@ class ConvertOptions:
                 raise ConvertError(f"this MLX ({mx.__version__}) cannot quantize with --q-mode "
                                    f"{base.mode} ({e}): upgrade mlx, or choose another mode") from e
 
+    def _recipe_name(self) -> str:
+        """--quant-recipe, else the mode's default (`mla` for affine, `uniform` otherwise)."""
+        return self.quant_recipe or (recipes.DEFAULT_RECIPE if self.q_mode == "affine" else "uniform")
+
     def recipe(self) -> recipes.Recipe:
         """The recipe the options name, with each unset option at its mode's default.
 
@@ -104,8 +107,7 @@ class ConvertOptions:
             ValueError: see ``recipes.make_recipe``.
         """
         bits, group = recipes.FIXED_MODES.get(self.q_mode, (4, 64))
-        name = self.quant_recipe or (recipes.DEFAULT_RECIPE if self.q_mode == "affine" else "uniform")
-        return recipes.make_recipe(name, bits if self.q_bits is None else self.q_bits,
+        return recipes.make_recipe(self._recipe_name(), bits if self.q_bits is None else self.q_bits,
                                    group if self.q_group_size is None else self.q_group_size,
                                    mode=self.q_mode)
 

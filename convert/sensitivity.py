@@ -39,10 +39,16 @@ def band_of(layer: int, n_layers: int, first_moe) -> str:
 
 
 def option_key(spec: QuantSpec) -> str:
+    """"bits/group", e.g. "4/64": how mla_prior.json and the tables name an option."""
     return f"{spec.bits}/{spec.group_size}"
 
 
 def parse_option(key: str) -> QuantSpec:
+    """The affine QuantSpec of a "bits/group" key (`option_key`'s inverse).
+
+    Raises:
+        ValueError: a key not of that form.
+    """
     bits, group = key.split("/")
     return QuantSpec(int(bits), int(group))
 
@@ -71,6 +77,7 @@ class Sensitivity:
         return self.kl.get(cls) or self.kl.get(ANALOGUES.get(cls), {})
 
     def weight(self, cls: str, band: str) -> float:
+        """The band weight of `cls` at `band` (1.0 when not measured)."""
         return self.bands.get(cls, {}).get(band, 1.0)
 
     def rescaled(self, measured: dict, anchors: dict, bands: dict, source: str) -> "Sensitivity":
@@ -92,6 +99,8 @@ class Sensitivity:
         return Sensitivity(source, kl, {**self.bands, **bands}, dict(measured))
 
     def to_json(self) -> dict:
+        """mla_prior.json's form: {"source", "classes": {class: {"kl": {"b/g": KL}, "bands"}},
+        "measured"?}."""
         return {
             "source": self.source,
             "classes": {
@@ -104,6 +113,7 @@ class Sensitivity:
 
     @classmethod
     def from_json(cls, data: dict) -> "Sensitivity":
+        """`to_json`'s inverse (raises KeyError/ValueError on a malformed document)."""
         kl = {c: {parse_option(o): k for o, k in v["kl"].items()} for c, v in data["classes"].items()}
         bands = {c: dict(v.get("bands", {})) for c, v in data["classes"].items()}
         return cls(data["source"], kl, bands, dict(data.get("measured", {})))

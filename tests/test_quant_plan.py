@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.common import MODEL_CONFIGS, V2_LITE
 from convert import layout, plan, sensitivity
-from convert.recipes import SUPPORTED_GROUP_SIZES, QuantSpec, fit_group, make_recipe
+from convert.recipes import FIXED_MODES, SUPPORTED_GROUP_SIZES, QuantSpec, fit_group, make_recipe
 
 SMALL = {**V2_LITE, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 640,
          "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -94,6 +94,20 @@ def test_written_bits_formula_matches_mx_quantize():
         assert sum(a.nbytes for a in q) * 8 == plan.spec_bits(w.size, spec, 16), spec
 
 
+@pytest.mark.parametrize("mode", list(FIXED_MODES))
+def test_written_bits_formula_matches_mx_quantize_fp_modes(mode):
+    """The floating-point modes: packed weight and one 8-bit scale per group, no bias."""
+    import mlx.core as mx
+
+    bits, group = FIXED_MODES[mode]
+    w = mx.zeros((96, 192), mx.bfloat16)
+    try:
+        q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+    except (ValueError, RuntimeError):
+        pytest.skip(f"this MLX cannot quantize with mode {mode}")
+    assert sum(a.nbytes for a in q) * 8 == plan.spec_bits(w.size, QuantSpec(bits, group, mode), 16)
+
+
 def test_group_size_fallback():
     """The issue's case: DeepSeek-V2-Lite's dense down_proj (input 10944 = 64 * 171)."""
     assert fit_group(QuantSpec(4, 128), 10944) == QuantSpec(4, 64)
@@ -171,6 +185,7 @@ def test_prior_covers_every_class_and_option():
             ks = [curve[QuantSpec(b, g)] for b in SUPPORTED_BITS]
             assert all(k > 0 for k in ks), cls
             assert ks[0] > 10 * ks[-1], (cls, g)  # 2-bit vs 8-bit
+            assert all(more <= fewer for fewer, more in zip(ks, ks[1:])), (cls, g)
 
 
 def test_fill_groups_estimates_a_missing_group_from_the_others():
