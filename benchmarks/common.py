@@ -164,6 +164,23 @@ def worker_result(path: Path, rows: List[Dict], meta: Dict = None) -> None:
     Path(path).write_text(json.dumps({"meta": info, "rows": tagged}))
 
 
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (benchmarks write PNGs; no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out ``fig``, write it to ``path`` (a PNG at ``dpi``) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
 def write_csv(rows: List[Dict], path: Path, fields: List[str] = None) -> None:
     """Rows as CSV (columns: ``fields``, or the first row's keys; missing cells empty)."""
     fields = fields or list(rows[0])
