@@ -44,18 +44,8 @@ V2_LITE: Dict = {
     "bos_token_id": 100000, "eos_token_id": 100001,
 }
 
-# DeepSeek-V2's config.json (deepseek-ai/DeepSeek-V2; V2-Chat, Coder-V2 and V2.5 have the same
-# shapes — V2.5 differs only in YaRN's mscale, 1.0): 236B parameters, 21B active.
-V2: Dict = {
-    **V2_LITE, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
-    "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "n_routed_experts": 160, "routed_scaling_factor": 16.0, "q_lora_rank": 1536,
-    "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3,
-}
-
-
-# DeepSeek-V2 (236B) and V2.5: the same shapes; they differ from V2-Lite in the fields below
-# (deepseek-ai/DeepSeek-V2 and DeepSeek-V2.5 config.json; V2.5's YaRN mscale is 1.0).
+# DeepSeek-V2 (236B, 21B active) and V2.5: the same shapes; they differ from V2-Lite in the
+# fields below (deepseek-ai/DeepSeek-V2 and DeepSeek-V2.5 config.json; V2.5's YaRN mscale is 1.0).
 V2: Dict = {
     **V2_LITE, "hidden_size": 5120, "intermediate_size": 12288, "moe_intermediate_size": 1536,
     "num_hidden_layers": 60, "num_attention_heads": 128, "num_key_value_heads": 128,
@@ -172,6 +162,23 @@ def worker_result(path: Path, rows: List[Dict], meta: Dict = None) -> None:
     info = {**machine_info(), **(meta or {})}
     tagged = [{"blas": info["blas"], **r} for r in rows]
     Path(path).write_text(json.dumps({"meta": info, "rows": tagged}))
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (benchmarks write PNGs; no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out ``fig``, write it to ``path`` (a PNG at ``dpi``) and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
 
 
 def write_csv(rows: List[Dict], path: Path, fields: List[str] = None) -> None:

@@ -49,7 +49,8 @@ from mlx_mla.distributed import (
 )
 from mlx_mla.dtypes import cast_floating
 
-from .common import RESULTS, ROOT, V2, V2_LITE, machine_info, with_layers, write_csv
+from .common import (RESULTS, ROOT, V2, V2_LITE, machine_info, pyplot, save_figure, with_layers,
+                     write_csv)
 from .engines import lazy_model
 
 GB = 1e9
@@ -355,10 +356,7 @@ def measured_markdown(rows: List[dict]) -> str:
 
 def plot(rows: List[dict], path: Path) -> None:
     """distributed.png: parameters and cache per token of every rank, rank 0's decode tok/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 5))
     labels = [f"{r['engine']}\n{r['split']} r{r['rank']}" for r in rows]
@@ -371,9 +369,7 @@ def plot(rows: List[dict], path: Path) -> None:
     axes[2].set(ylabel="tokens/s", title="decode (2 cores shared by the ranks)")
     for ax in axes:
         ax.tick_params(axis="x", labelsize=7, rotation=60)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

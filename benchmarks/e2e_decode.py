@@ -62,8 +62,8 @@ import numpy as np
 from mlx_mla.cache import cache_bytes_per_token
 from mlx_mla.dtypes import DTYPES
 
-from .common import (RESULTS, V2_LITE, default_blas, run_per_blas, with_layers, worker_result,
-                     write_csv)
+from .common import (RESULTS, V2_LITE, default_blas, pyplot, run_per_blas, save_figure, with_layers,
+                     worker_result, write_csv)
 from .engines import load_engine, lazy_weight_bytes, weight_bytes, write_folders
 
 FULL_LAYERS = 27
@@ -366,9 +366,7 @@ def write_results(rows, budget, checks, meta, out_dir: Path = RESULTS) -> Dict[s
 
 
 def plot(rows, budget, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     blases = list(dict.fromkeys(r.get("blas", "") for r in rows))
@@ -392,9 +390,7 @@ def plot(rows, budget, path: Path) -> None:
     axes[2].bar([f"{b['engine']}\n{b['dtype']}" for b in budget], [b["max_context"] / 1000 for b in budget])
     axes[2].set(ylabel="thousand tokens", title=f"longest context in {budget[0]['budget_bytes'] / GiB:.0f} GiB, 27 layers")
     axes[2].tick_params(axis="x", labelsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _without(argv: List[str], *flags: str) -> List[str]:

@@ -26,7 +26,8 @@ import mlx.core as mx
 import mlx_mla
 from mlx_mla.cache import LatentCache
 
-from .common import RESULTS, SHARED_CORPUS, machine_info, shared_file, write_csv
+from .common import (RESULTS, SHARED_CORPUS, machine_info, pyplot, save_figure, shared_file,
+                     write_csv)
 
 PLANS = [(8, None), (8, 8), (4, None), (4, 8), (4, 4)]  # (c_kv bits, k_pe bits or float)
 
@@ -85,10 +86,7 @@ def run(text: str, n_tokens: int, strategy: str = "absorb") -> list:
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"c_kv {r['c_kv_bits']}b\nk_pe {r['k_pe'].split(' ')[0]}" for r in rows]
@@ -97,9 +95,7 @@ def plot(rows, path: Path) -> None:
     ax.axhline(1e-3, ls="--", c="k", lw=1, label="8-bit target: KL ≤ 1e-3")
     ax.set(yscale="log", ylabel="KL(float cache ‖ quantized)", title="Quantized latent cache, demo model")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -41,7 +41,8 @@ from mlx_mla.attention.strategies.auto import Table, backend_key, backend_name, 
 from mlx_mla.cache import LatentCache
 from mlx_mla.config import ModelArgs
 
-from .common import RESULTS, V2_LITE, default_blas, run_per_blas, worker_result, write_csv
+from .common import (RESULTS, V2_LITE, default_blas, pyplot, run_per_blas, save_figure,
+                     worker_result, write_csv)
 
 STRATEGY_ROWS = ["naive", "absorb-materialized", "absorb", "auto"]
 PEER_ROWS = ["mlx-lm deepseek_v2", "mlx-lm deepseek_v3"]
@@ -294,10 +295,7 @@ FIELDS = ["blas", "phase", "S", "L", "impl", "ms", "cost_model", "flops", "bytes
 
 def plot(rows: List[Dict], path: Path, title: str) -> None:
     """Decode ms per layer against S, one panel per BLAS in ``rows``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     blases = list(dict.fromkeys(r.get("blas", "") for r in rows))
     fig, axes = plt.subplots(1, len(blases), figsize=(7.5 * len(blases), 4.8), squeeze=False,
@@ -315,9 +313,7 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
         ax.set_title(f"{title}\n{b + ' BLAS' if b else ''}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 
 from mlx_mla.cache import BatchLatentCache, LatentCache
 
-from .common import RESULTS, V2_LITE, machine_info, with_layers, write_csv
+from .common import RESULTS, V2_LITE, machine_info, pyplot, save_figure, with_layers, write_csv
 from .engines import lazy_weight_bytes, load_engine, write_folders
 
 GiB = 2**30
@@ -197,10 +197,7 @@ def ratios(conc: List[Dict], dec: List[Dict]) -> Dict[str, float]:
 
 
 def plot(conc: List[Dict], dec: List[Dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.8))
     a.barh([r["label"] for r in conc], [r["sequences"] for r in conc],
@@ -214,9 +211,7 @@ def plot(conc: List[Dict], dec: List[Dict], path: Path) -> None:
     b.set(xscale="log", xlabel="batch", ylabel="decode tok/s (float32, 1 MoE layer)",
           title=f"batched decode over {dec[0]['context']} cached tokens")
     b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

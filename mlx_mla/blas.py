@@ -253,6 +253,19 @@ def _openblas_label(path: str) -> str:
             f"{lib.openblas_get_num_threads()} threads)")
 
 
+def _kind_of(path: Optional[str]) -> str:
+    """The kind (see ``describe``) of the BLAS library at ``path``."""
+    if not path:
+        return "unknown"
+    if "openblas" in os.path.basename(path).lower():
+        return "openblas"
+    if "mlx_cpu.libs/libblas-" in path:
+        return "reference"
+    if "accelerate" in path.lower():
+        return "accelerate"
+    return "other"
+
+
 def describe() -> Dict[str, str]:
     """Which BLAS MLX's CPU matmuls go through in this process, right now.
 
@@ -263,25 +276,20 @@ def describe() -> Dict[str, str]:
     in the global scope (``dlsym`` + ``dladdr``), else the bundled BLAS that is mapped.
     """
     path = _global_sgemm_library() or _mapped_bundled_blas()
-    out = {"library": path or "", "preload": _state["preload"]}
-    name = os.path.basename(path or "").lower()
-    if not path:
-        kind, label = "unknown", "unknown (no cblas_sgemm found)"
-    elif "openblas" in name:
-        kind = "openblas"
+    kind = _kind_of(path)
+    if kind == "openblas":
         try:
             label = _openblas_label(path)
         except (AttributeError, OSError):
             label = "OpenBLAS"
-    elif "mlx_cpu.libs/libblas-" in path:
-        kind, label = "reference", "reference BLAS (netlib, bundled with mlx[cpu])"
-    elif "accelerate" in path.lower():
-        kind, label = "accelerate", "Accelerate"
     else:
-        kind, label = "other", os.path.basename(path)
-    return {"kind": kind, "label": label, **out}
+        label = {"unknown": "unknown (no cblas_sgemm found)",
+                 "reference": "reference BLAS (netlib, bundled with mlx[cpu])",
+                 "accelerate": "Accelerate"}.get(kind) or os.path.basename(path)
+    return {"kind": kind, "label": label, "library": path or "", "preload": _state["preload"]}
 
 
 def kind() -> str:
-    """``describe()["kind"]``: the key ``auto``'s and the prefill GEMM's tables use."""
-    return describe()["kind"]
+    """``describe()["kind"]``: the key ``auto``'s and the prefill GEMM's tables use. Skips
+    the label (which opens OpenBLAS to ask its version): ``auto`` asks once per layer."""
+    return _kind_of(_global_sgemm_library() or _mapped_bundled_blas())
