@@ -23,6 +23,7 @@ from .attention import STRATEGIES
 from .cache import quantized_codec
 from .cache.files import metadata_for
 from .checkpoint import ModelLoadError
+from .cli import fail
 from .dtypes import DTYPES
 from .loader import load
 
@@ -43,11 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"MLA strategy: {', '.join(STRATEGIES)} (default: auto)")
     p.add_argument("--dtype", default=None, help=f"activation dtype: {', '.join(DTYPES)}")
     return p
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 1
 
 
 def output_path(name: str) -> Path:

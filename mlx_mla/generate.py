@@ -23,7 +23,7 @@ from .cache import cache_bytes_per_token, quantized_codec
 from .cache import files as prompt_cache_files
 from .cache.files import PromptCacheError
 from .checkpoint import ModelLoadError
-from .cli import context_error, quiet_on_broken_pipe, sampling_error, str2bool
+from .cli import context_error, fail, quiet_on_broken_pipe, sampling_error, str2bool
 from .dtypes import DTYPES
 from .distributed import barrier, load_sharded
 from .loader import load
@@ -138,11 +138,6 @@ def make_cache(model, args) -> List:
             f"--kv-bits {args.kv_bits} / --kv-group-size {args.kv_group_size} differ from the "
             f"prompt cache's ({codec.bits} / {codec.group_size}): drop them or match them")
     return cache
-
-
-def fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 1
 
 
 @quiet_on_broken_pipe

@@ -252,10 +252,12 @@ def test_bounded_batch_cache_for_batch_generator(demo, peer):
 @pytest.mark.parametrize("name", ["absorb", "absorb-materialized", "naive"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_cache_equals_attention_over_its_dequantized_copy(demo, text_tokens, name, bits):
-    """Each strategy reads the quantized c_kv as stored; the reference is ordinary (naive)
-    attention over the dequantized copy of the very same c_kv, for a decode step and a
-    5-token chunk."""
-    from mlx_mla.attention.strategies import Naive
+    """Each strategy reads the quantized c_kv as stored; the reference is attention over the
+    dequantized copy of the very same c_kv by another path — ordinary (naive) attention for
+    the absorbed strategies, the absorbed float path for naive (which dequantizes itself,
+    so a naive reference would check only its dispatch) — for a decode step and a 5-token
+    chunk."""
+    from mlx_mla.attention.strategies import Absorb, Naive
 
     model, _ = demo
     model.set_mla_strategy(name)
@@ -271,7 +273,9 @@ def test_quantized_cache_equals_attention_over_its_dequantized_copy(demo, text_t
         q_pe = mx.random.normal((1, a.num_attention_heads, L, a.qk_rope_head_dim), key=k[1])
         mask = None if L == 1 else mx.arange(30)[None] <= mx.arange(30 - L, 30)[:, None]
         got = attn.strategy(attn, c_q, q_pe, c_kv, k_pe, mask)
-        ref = Naive()(attn, c_q, q_pe, c_kv.dequantize(), k_pe, mask)
+        reference = Absorb() if name == "naive" else Naive()
+        reference.prepare(attn)
+        ref = reference(attn, c_q, q_pe, c_kv.dequantize(), k_pe, mask)
         assert mx.abs(got - ref).max().item() <= TOL, (name, bits, L)
 
 

@@ -159,7 +159,7 @@ def test_a_stopped_request_leaves_the_batch_and_frees_its_cache(monkeypatch, fix
         # mlx-lm removes stopped sequences once per time budget (0.5 s); on a fast machine
         # B's tokens all fit in one, so B would be gone too when A is removed.
         generator._time_budget = mlx_lm.server.TimeBudget(budget=0.01)
-        provider.ready.wait(120)
+        assert provider.ready.wait(120), "the model did not load within 120 s"
         ctx_a, stream_a = generator.generate(*_request("ROMEO:", 1500))
         ctx_b, stream_b = generator.generate(*_request("JULIET:", 300))
         for _ in range(3):
@@ -186,7 +186,7 @@ def test_kv_bits_serves_one_at_a_time_on_a_quantized_latent(fixture_dir, demo):
     provider = MLAModelProvider(args)
     generator = MLAResponseGenerator(provider, LRUPromptCache(10))
     try:
-        provider.ready.wait(120)
+        assert provider.ready.wait(120), "the model did not load within 120 s"
         _, stream = generator.generate(*_request("ROMEO:", 20))
         got = [r.token for r in stream]
     finally:
