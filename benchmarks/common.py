@@ -64,6 +64,11 @@ MODEL_CONFIGS: Dict[str, Dict] = {
 }
 
 
+def summary(doc: str) -> str:
+    """A module docstring's first paragraph on one line: a benchmark's --help description."""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
 def with_layers(config: Dict, layers: int) -> Dict:
     """``config`` with ``layers`` decoder layers."""
     return {**config, "num_hidden_layers": layers}

@@ -35,7 +35,7 @@ from mlx_mla.attention.strategies import absorb_materialized
 from mlx_mla.compare import greedy_run, judge, load_peer, teacher_forced_logits, threshold_for
 from mlx_mla.loader import load_tokenizer, open_folder
 
-from .common import RESULTS, machine_info, write_csv
+from .common import RESULTS, machine_info, write_csv, summary
 
 # (label, ConvertOptions fields) of every folder measured.
 FOLDERS = [(f"{recipe} {bits}-bit", dict(q_bits=bits, quant_recipe=recipe))
@@ -117,7 +117,7 @@ def plot(rows: list, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--prompt", default="ROMEO:", help="prompt (compare's default)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (compare's default)")
     args = p.parse_args(argv)

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from mlx_mla import DEMO_MODEL
 
-from .common import RESULTS, ROOT, V2_LITE
+from .common import RESULTS, ROOT, V2_LITE, summary
 
 
 def hf_shapes(config: dict) -> dict:
@@ -148,7 +148,7 @@ def run(config: dict, shard_bytes: int, workdir: Path) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (DeepSeek-V2-Lite has 27)")
     ap.add_argument("--shard-gb", type=float, default=1.0, help="source shard size")
     ap.add_argument("--workdir", type=Path, default=None, help="where to put the checkpoint (temp)")

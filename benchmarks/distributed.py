@@ -49,7 +49,7 @@ from mlx_mla.distributed import (
 )
 from mlx_mla.dtypes import cast_floating
 
-from .common import (RESULTS, ROOT, V2, V2_LITE, machine_info, pyplot, save_figure, with_layers,
+from .common import (summary, RESULTS, ROOT, V2, V2_LITE, machine_info, pyplot, save_figure, with_layers,
                      write_csv)
 from .engines import lazy_model
 
@@ -373,7 +373,7 @@ def plot(rows: List[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per run")
     p.add_argument("--prompt-tokens", type=int, default=64)

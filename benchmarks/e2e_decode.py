@@ -62,7 +62,7 @@ import numpy as np
 from mlx_mla.cache import cache_bytes_per_token
 from mlx_mla.dtypes import DTYPES
 
-from .common import (RESULTS, V2_LITE, default_blas, pyplot, run_per_blas, save_figure, with_layers,
+from .common import (summary, RESULTS, V2_LITE, default_blas, pyplot, run_per_blas, save_figure, with_layers,
                      worker_result, write_csv)
 from .engines import load_engine, lazy_weight_bytes, weight_bytes, write_folders
 
@@ -408,7 +408,7 @@ def _without(argv: List[str], *flags: str) -> List[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dense-layers", type=int, default=0,
                    help="how many first layers are dense (V2-Lite: 1); default 0, so the layer "

@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx_mla
 from mlx_mla.cache import LatentCache
 
-from .common import (RESULTS, SHARED_CORPUS, machine_info, pyplot, save_figure, shared_file,
+from .common import (summary, RESULTS, SHARED_CORPUS, machine_info, pyplot, save_figure, shared_file,
                      write_csv)
 
 PLANS = [(8, None), (8, 8), (4, None), (4, 8), (4, 4)]  # (c_kv bits, k_pe bits or float)
@@ -99,10 +99,11 @@ def plot(rows, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--corpus", type=Path, default=SHARED_CORPUS)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p = argparse.ArgumentParser(description=summary(__doc__))
+    p.add_argument("--corpus", type=Path, default=SHARED_CORPUS,
+                   help="held-out text to read (default: ../shared/corpus/shakespeare-heldout.txt)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens of it to read (default 4096)")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default: benchmarks/results)")
     args = p.parse_args(argv)
     t0 = time.time()
     text = shared_file(args.corpus, "held-out text to measure the KL on").read_text()

@@ -41,7 +41,7 @@ from mlx_mla.attention.strategies.auto import Table, backend_key, backend_name, 
 from mlx_mla.cache import LatentCache
 from mlx_mla.config import ModelArgs
 
-from .common import (RESULTS, V2_LITE, default_blas, pyplot, run_per_blas, save_figure,
+from .common import (summary, RESULTS, V2_LITE, default_blas, pyplot, run_per_blas, save_figure,
                      worker_result, write_csv)
 
 STRATEGY_ROWS = ["naive", "absorb-materialized", "absorb", "auto"]
@@ -317,7 +317,7 @@ def plot(rows: List[Dict], path: Path, title: str) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     p.add_argument("--prefill", type=int, default=PREFILL)
     p.add_argument("--chunks", type=int, nargs="*", default=CHUNKS)

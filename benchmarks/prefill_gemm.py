@@ -32,7 +32,7 @@ import numpy as np
 
 from mlx_mla import prefill_gemm
 
-from .common import RESULTS, default_blas, run_per_blas, worker_result, write_csv
+from .common import RESULTS, default_blas, run_per_blas, worker_result, write_csv, summary
 
 SHAPES = [(2048, 2048), (2048, 10944)]  # (in, out)
 ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 512]
@@ -133,7 +133,7 @@ FIELDS = ["blas", "kind", "shape", "L", "quantized_ms", "dequant_gemm_ms", "spee
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--blas", nargs="+", default=None,
                    help="reference, openblas (CPU; default: both where OpenBLAS is installed) or current (this backend as it is: a GPU)")
     p.add_argument("--repeats", type=int, default=3)

@@ -52,7 +52,7 @@ from convert.recipes import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantSpec
 from convert.source import open_source
 from mlx_mla import DEMO_MODEL as FIXTURE
 
-from .common import RESULTS, SHARED_CORPUS, machine_info, shared_file, write_csv
+from .common import RESULTS, SHARED_CORPUS, machine_info, shared_file, write_csv, summary
 
 WINDOW = 256
 BASE = QuantSpec(4, 64)
@@ -440,7 +440,7 @@ def plot(rows, table, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--model", choices=("fixture", "code"), default="fixture")
     ap.add_argument("--max-windows", type=int, default=None, help="limit the evaluation text (quick runs)")
     ap.add_argument("--sweep-windows", type=int, default=24,

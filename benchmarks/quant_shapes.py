@@ -19,7 +19,7 @@ from pathlib import Path
 from convert import layout, plan, sensitivity
 from convert.recipes import TENSOR_CLASSES, QuantSpec
 
-from .common import MODEL_CONFIGS, RESULTS, write_csv
+from .common import MODEL_CONFIGS, RESULTS, write_csv, summary
 
 BASE = QuantSpec(4, 64)
 
@@ -62,7 +62,7 @@ def shape_rows(prior) -> tuple:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--out", type=Path, default=RESULTS,
                     help="folder for the results (default: benchmarks/results)")
     args = ap.parse_args()

@@ -56,7 +56,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .common import RESULTS, V2_LITE, machine_info, with_layers, write_csv
+from .common import RESULTS, V2_LITE, machine_info, with_layers, write_csv, summary
 
 ENGINES = ("mlx_mla", "mlx-lm")
 SUFFIX_TOKENS = 16
@@ -411,7 +411,7 @@ FIELDS = ["engine", "blas", "phase", "layers", "clients", "prompt_tokens", "prom
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the load run")
     p.add_argument("--reuse-layers", type=int, default=2,
                    help="decoder layers of the extra prompt-reuse run (0: skip it)")

@@ -37,7 +37,7 @@ import numpy as np
 
 from mlx_mla.cache import BatchLatentCache, LatentCache
 
-from .common import RESULTS, V2_LITE, machine_info, pyplot, save_figure, with_layers, write_csv
+from .common import RESULTS, V2_LITE, machine_info, pyplot, save_figure, with_layers, write_csv, summary
 from .engines import lazy_weight_bytes, load_engine, write_folders
 
 GiB = 2**30
@@ -215,7 +215,7 @@ def plot(conc: List[Dict], dec: List[Dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=summary(__doc__))
     p.add_argument("--budget-gib", type=float, default=16.0)
     p.add_argument("--seq-tokens", type=int, default=4096)
     p.add_argument("--context", type=int, default=2048)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .common import RESULTS, ROOT, machine_info
+from .common import RESULTS, ROOT, machine_info, summary
 
 CHECKPOINTS = ROOT / "benchmarks" / "checkpoints"
 MODEL_DIR = CHECKPOINTS / "tiny-dsv2-coder-python"
@@ -204,7 +204,7 @@ def ensure_checkpoint() -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap = argparse.ArgumentParser(description=summary(__doc__))
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
